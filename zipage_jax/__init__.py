@@ -1,0 +1,1 @@
+from zipage_jax.config import CompressionConfig, EngineConfig  # noqa: F401
