@@ -1,0 +1,223 @@
+"""Paged decode attention: one new query token per sequence over its KV pages (Pallas/Triton).
+
+Layouts (one layer):
+  q:              [B, Hq, D]                one token per sequence, Hq = G * Hkv
+  k_pool, v_pool: [num_blocks, BS, Hkv, D]  keys stored after RoPE; block 0 is the dummy block
+  block_tables:   [B, W] int32              physical block ids, padded with the dummy block 0
+  context_lens:   [B] int32                 valid slots of each row; 0 for padding rows
+  out:            [B, Hq, D] in q.dtype     (zeros for rows with context_lens == 0)
+
+Slots at or past context_lens may hold anything (NaN included): they are masked out of the
+logits and zeroed in V.
+
+The kernel runs on a grid (B, Hkv, k_splits). Each program owns one kv head of one row and
+one contiguous share of the row's pages, loops over them block_k tokens at a time with a
+float32 online softmax (base 2), and writes unnormalised float32 partials (o, l, m) that XLA
+combines. The G query heads that share a kv head form the rows of one [block_h, D] tile,
+padded to block_h >= 16 rows for the Triton dot. Blocks larger than block_k are split into
+block_k-token pages by a free reshape of the pool, so every gathered tile is
+[block_k, D] and every tile size is a power of two.
+
+`paged_decode_attention_reference` is the plain-XLA path the engine uses where Pallas is not
+available (CPU); it is `paged_prefill_attention` with one query token.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.prefill_attention import check_paged_inputs, paged_prefill_attention
+
+DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_TARGET_PROGRAMS = 132  # H200 SM count: split the pages until the grid fills the GPU once
+_LOG2E = math.log2(math.e)
+
+
+def paged_decode_kernel(
+    # inputs
+    q_ref,  # [block_h, D]
+    k_pages_ref,  # [num_pages, page_size, D]  (one kv head, strided view of the pool)
+    v_pages_ref,  # [num_pages, page_size, D]
+    block_tables_ref,  # [pages_per_split]
+    lengths_ref,  # [1]
+    # outputs
+    o_ref,  # [block_h, D] float32, unnormalised
+    l_ref,  # [block_h] float32, softmax denominator
+    m_ref,  # [block_h] float32, running max of the base-2 logits
+    *,
+    pages_per_step: int,
+    scale_log2: float,
+):
+    block_h, head_dim = q_ref.shape
+    page_size = k_pages_ref.shape[1]
+    pages_per_split = block_tables_ref.shape[0]
+    block_k = pages_per_step * page_size
+    split_start = pl.program_id(2) * pages_per_split * page_size
+    length = lengths_ref[0]
+    q = q_ref[...]
+    dot = functools.partial(lax.dot_general, precision=lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+
+    def body(step, carry):
+        o_prev, m_prev, l_prev = carry
+        pages = block_tables_ref[pl.ds(step * pages_per_step, pages_per_step)]
+        k = k_pages_ref[pages].reshape(block_k, head_dim)
+        v = v_pages_ref[pages].reshape(block_k, head_dim)
+        valid = split_start + step * block_k + jnp.arange(block_k) < length  # [block_k]
+        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # slots past length may be NaN
+        logits = dot(q, k, (((1,), (1,)), ((), ()))) * scale_log2  # [block_h, block_k]
+        logits = jnp.where(valid[None, :], logits, DEFAULT_MASK_VALUE)
+        m_next = jnp.maximum(m_prev, logits.max(axis=1))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(logits - m_next[:, None])
+        l_next = alpha * l_prev + p.sum(axis=1)
+        o_next = alpha[:, None] * o_prev + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+        return o_next, m_next, l_next
+
+    split_len = jnp.clip(length - split_start, 0, pages_per_split * page_size)
+    o = jnp.zeros((block_h, head_dim), jnp.float32)
+    m = jnp.full((block_h,), jnp.finfo(jnp.float32).min, jnp.float32)
+    l = jnp.zeros((block_h,), jnp.float32)
+    o, m, l = lax.fori_loop(0, pl.cdiv(split_len, block_k), body, (o, m, l))
+    o_ref[...] = o
+    l_ref[...] = l
+    m_ref[...] = m
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, *, scale, block_h, block_k,
+                  k_splits, num_warps, num_stages, interpret):
+    batch, q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_pool.shape
+    group = q_heads // num_kv_heads
+
+    # Kernel pages of page_size <= block_k tokens: a bitcast reshape of the pool.
+    page_size = min(block_size, block_k)
+    splits_per_block = block_size // page_size
+    k_pages = k_pool.reshape(num_blocks * splits_per_block, page_size, num_kv_heads, head_dim)
+    v_pages = v_pool.reshape(k_pages.shape)
+    page_tables = (block_tables[:, :, None] * splits_per_block
+                   + jnp.arange(splits_per_block, dtype=jnp.int32)).reshape(batch, -1)
+    pages_per_step = min(block_k // page_size, _next_pow2(page_tables.shape[1]))
+    num_steps = -(-page_tables.shape[1] // pages_per_step)
+    if k_splits is None:
+        k_splits = _next_pow2(-(-_TARGET_PROGRAMS // (batch * num_kv_heads)))
+    k_splits = min(k_splits, _next_pow2(num_steps))
+    pages_per_split = _next_pow2(-(-num_steps // k_splits)) * pages_per_step
+    # Padding with dummy pages: they lie past every context length, so they are masked.
+    page_tables = jnp.pad(page_tables,
+                          ((0, 0), (0, k_splits * pages_per_split - page_tables.shape[1])))
+    page_tables = page_tables.reshape(batch, k_splits, pages_per_split)
+
+    q_tile = q.reshape(batch, num_kv_heads, group, head_dim)
+    q_tile = jnp.pad(q_tile, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+
+    kernel = functools.partial(paged_decode_kernel, pages_per_step=pages_per_step,
+                               scale_log2=scale * _LOG2E)
+    pool_spec = pl.BlockSpec((k_pages.shape[0], page_size, None, head_dim),
+                             lambda b, h, s: (0, 0, h, 0))
+    stats_shape = (batch, k_splits, num_kv_heads, block_h)
+    o, l, m = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads, k_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, block_h, head_dim), lambda b, h, s: (b, h, 0, 0)),  # q
+            pool_spec,  # k_pages
+            pool_spec,  # v_pages
+            pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0)),  # tables
+            pl.BlockSpec((1,), lambda b, h, s: (b,)),  # context_lens
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_h, head_dim),
+                         lambda b, h, s: (b, s, h, 0, 0)),  # o
+            pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, s, h, 0)),  # l
+            pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, s, h, 0)),  # m
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((*stats_shape, head_dim), jnp.float32),  # o
+            jax.ShapeDtypeStruct(stats_shape, jnp.float32),  # l
+            jax.ShapeDtypeStruct(stats_shape, jnp.float32),  # m
+        ],
+        interpret=interpret,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"paged_decode_{block_h=}_{block_k=}_{k_splits=}",
+    )(q_tile, k_pages, v_pages, page_tables, context_lens)
+
+    # Combine the splits; an empty split has l = 0, m = f32 min and drops out.
+    m_all = m.max(axis=1, keepdims=True)
+    weight = jnp.exp2(m - m_all)  # [B, S, Hkv, block_h]
+    l_all = (weight * l).sum(axis=1)
+    o_all = (weight[..., None] * o).sum(axis=1)
+    out = o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # [B, Hkv, block_h, D]
+    return out[:, :, :group].reshape(q.shape).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=["scale", "block_h", "block_k", "k_splits",
+                                             "num_warps", "num_stages", "interpret"])
+def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                           block_tables: jax.Array, context_lens: jax.Array, *,
+                           scale: float | None = None, interpret: bool = False,
+                           block_h: int = 16, block_k: int = 128, k_splits: int | None = None,
+                           num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """Decode attention of one query token per sequence over its pages.
+
+    Args:
+      q: [B, Hq, D] queries (rotated).
+      k_pool, v_pool: [num_blocks, BS, Hkv, D] one layer's pool, BS a power of two >= 16.
+      block_tables: [B, W] int32, padded with the dummy block 0.
+      context_lens: [B] int32, valid slots per row (0: padding row, zero output).
+      scale: softmax scale, default 1/sqrt(D).
+      interpret: run the kernel in the Pallas interpreter (needed on CPU).
+      block_h: query rows per tile (power of two >= 16; raised to cover the group G).
+      block_k: tokens per inner step (power of two >= 16).
+      k_splits: page splits per row, combined in float32; None sizes the grid to the GPU.
+      num_warps, num_stages: Triton launch parameters.
+
+    Returns:
+      [B, Hq, D] in q.dtype.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {q.shape}")
+    batch, q_heads, head_dim = q.shape
+    check_paged_inputs(q_heads, head_dim, k_pool, v_pool, block_tables, batch)
+    if q.dtype != k_pool.dtype:
+        raise ValueError(f"q dtype {q.dtype} != pool dtype {k_pool.dtype} (Triton dot)")
+    if context_lens.shape != (batch,) or context_lens.dtype != jnp.int32:
+        raise ValueError(f"context_lens must be int32 [B={batch}], "
+                         f"got {context_lens.dtype}{list(context_lens.shape)}")
+    for name, value in [("block size", k_pool.shape[1]), ("head_dim", head_dim),
+                        ("block_h", block_h), ("block_k", block_k)]:
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+    if k_splits is not None and k_splits < 1:
+        raise ValueError(f"k_splits must be >= 1, got {k_splits}")
+    scale = head_dim**-0.5 if scale is None else scale
+    block_h = max(block_h, _next_pow2(q_heads // k_pool.shape[2]))
+    return _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scale=scale,
+                         block_h=block_h, block_k=block_k, k_splits=k_splits,
+                         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=["scale"])
+def paged_decode_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                                     block_tables: jax.Array, context_lens: jax.Array, *,
+                                     scale: float | None = None) -> jax.Array:
+    """Plain-XLA decode attention, same contract as `paged_decode_attention`."""
+    if q.ndim != 3 or context_lens.ndim != 1:
+        raise ValueError(f"q must be [B, Hq, D] and context_lens [B], "
+                         f"got {q.shape} and {context_lens.shape}")
+    return paged_prefill_attention(q[:, None], k_pool, v_pool, block_tables,
+                                   context_lens[:, None], scale=scale)[:, 0]
+
+
+paged_decode_attention_xla = paged_decode_attention_reference  # the engine's CPU path

@@ -1,0 +1,52 @@
+"""OpenAI-compatible server for zipage-jax.
+
+    python scripts/serve_jax.py --model default --port 8000 --kvcache-block-size 32 --max-cache-blocks-per-seq 8
+
+Every EngineConfig field is a flag (--max-num-seqs, --num-kvcache-blocks, ...). The server
+answers at once; /health is 503 until the model has loaded, then 200. Exits with status 1 if
+the model fails to load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from zipage_jax.cli_options import add_engine_arguments, engine_options
+from zipage_jax.config import EngineConfig
+from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.server import create_app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="model name(s) clients use (default: the --model argument)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_arguments(parser)
+    args = parser.parse_args(argv)
+    options = engine_options(args)
+    options.setdefault("model", "default")
+    try:
+        EngineConfig.from_options(**options)  # bad flags fail here, before binding the port
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def on_load_error(exc: BaseException) -> None:
+        server.should_exit = True
+
+    app = create_app(lambda: LLMEngine(**options), args.served_model_name or [options["model"]], on_load_error)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server.run()
+    return 1 if app.state.engine_loop.load_error is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

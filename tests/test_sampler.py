@@ -1,0 +1,270 @@
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zipage_jax.layers import sampler
+from zipage_jax.layers.sampler import SamplerFlags, SamplingBatch, SamplingRow, sample
+from zipage_jax.sampling_params import SamplingParams as SP
+
+V = 300  # not a multiple of 128: exercises the padding
+
+
+def _logits(b: int, v: int = V, scale: float = 3.0, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((b, v)) * scale).astype(np.float32)
+
+
+def _run(logits: np.ndarray, rows: list[SamplingRow], batch_size: int | None = None):
+    batch, flags = SamplingBatch.build(rows, batch_size or len(rows))
+    padded = np.zeros((batch.temperature.shape[0], logits.shape[1]), np.float32)
+    padded[: len(logits)] = logits
+    return jax.device_get(sample(jnp.asarray(padded), batch, flags)), flags
+
+
+def _support(x: np.ndarray, sp: SP) -> set[int]:
+    """Tokens a row may draw: numpy twin of temperature, top-k, top-p (renormalised) and min-p."""
+    if sp.greedy:
+        return {int(np.argmax(x))}
+    p = np.exp((x - x.max()) / sp.temperature)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.ones(len(x), bool)
+    if 0 < sp.top_k < len(x):
+        keep[order[sp.top_k:]] = False
+    if sp.top_p < 1:
+        q = np.where(keep, p, 0)[order] / p[keep].sum()
+        before = np.cumsum(q) - q
+        keep[order[before >= sp.top_p]] = False
+    keep &= p >= sp.min_p * p.max()
+    return set(np.flatnonzero(keep).tolist())
+
+
+def _penalised(x: np.ndarray, sp: SP, prompt: list[int], output: list[int]) -> np.ndarray:
+    """numpy twin of the penalties: repetition on prompt + output, presence / frequency on output."""
+    x = x.astype(np.float64).copy()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty
+    for t, count in Counter(output).items():
+        x[t] -= sp.frequency_penalty * count + sp.presence_penalty
+    return x
+
+
+def test_greedy_is_argmax_with_first_index_on_ties():
+    x = _logits(5)
+    x[1, [17, 250]] = 100.0  # tie: the first index wins, as jnp.argmax
+    x[2, 299] = 100.0  # the last real token, next to the padding
+    out, flags = _run(x, [SamplingRow(SP(temperature=0), seed=0)] * 5, batch_size=8)
+    assert flags == SamplerFlags()
+    np.testing.assert_array_equal(out.token_ids[:5], np.argmax(x, axis=-1))
+    assert out.token_ids[1] == 17 and out.token_ids[2] == 299
+
+
+def test_greedy_rows_in_a_random_batch_are_argmax():
+    x = _logits(6)
+    x[4, [9, 40]] = 50.0
+    params = [SP(temperature=0), SP(temperature=0.9, top_p=0.8)] * 3
+    out, flags = _run(x, [SamplingRow(sp, seed=i) for i, sp in enumerate(params)])
+    assert flags.any_random and flags.any_top_k_p
+    np.testing.assert_array_equal(out.token_ids[::2], np.argmax(x[::2], axis=-1))
+    assert out.token_ids[4] == 9
+
+
+def test_all_greedy_compiles_to_argmax_and_top_p_never_sorts():
+    x = jnp.asarray(_logits(4))
+    for rows, absent, present in [
+        ([SP(temperature=0)] * 4, ("top_k", "cumsum", "sort", "random_bits", "threefry2x32"), ("argmax",)),
+        ([SP(temperature=0.7, top_p=0.9)] * 4, ("sort",), ("top_k",)),
+        ([SP(temperature=0.7)] * 4, ("sort", "top_k"), ("cumsum",)),
+    ]:
+        batch, flags = SamplingBatch.build([SamplingRow(sp, seed=1) for sp in rows], 4)
+        ops = set(re.findall(r"= (\w+)[\[ ]", str(jax.make_jaxpr(lambda x, b: sample(x, b, flags))(x, batch))))
+        assert not ops & set(absent) and ops >= set(present), (flags, ops)
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.5}, {"min_p": 0.2}])
+def test_top_k_1_is_greedy(extra):
+    x = _logits(8)
+    rows = [SamplingRow(SP(temperature=1.5, top_k=1, **extra), seed=i, step=3) for i in range(8)]
+    out, _ = _run(x, rows)
+    np.testing.assert_array_equal(out.token_ids, np.argmax(x, axis=-1))
+
+
+def test_tiny_top_p_keeps_only_the_top_token():
+    x = _logits(8, scale=0.3)  # flat: the top token holds well under 1% of the mass
+    out, _ = _run(x, [SamplingRow(SP(top_p=1e-6), seed=i) for i in range(8)])
+    np.testing.assert_array_equal(out.token_ids, np.argmax(x, axis=-1))
+
+
+def test_min_p_one_keeps_only_the_top_token():
+    x = _logits(8)
+    out, flags = _run(x, [SamplingRow(SP(temperature=2.0, min_p=1.0), seed=i) for i in range(8)])
+    assert not flags.any_top_k_p
+    np.testing.assert_array_equal(out.token_ids, np.argmax(x, axis=-1))
+
+
+def test_seeded_rows_reproducible_regardless_of_batch():
+    x = _logits(8, seed=1)
+    x[3] = _logits(1, scale=0.1, seed=2)[0]  # a flat row: its nucleus is too deep for the candidates
+    target = SP(temperature=0.9, top_p=0.9, seed=1234)
+    others = [SP(temperature=0), SP(temperature=1.3, top_k=7), SP(temperature=0.8, top_p=0.95),
+              SP(temperature=0.5, frequency_penalty=1.0), SP(), SP(min_p=0.3), SP(temperature=0, logprobs=3)]
+    for row_logits in (x[0], x[3]):  # a row the candidates cover, a row that needs the bisection
+        for step in range(3):
+            alone, _ = _run(row_logits[None], [SamplingRow(target, seed=1234, step=step)])
+            for position in (0, 5):
+                rows = [SamplingRow(sp, seed=i, step=9, token_ids=[1, 2, 2], num_prompt_tokens=1)
+                        for i, sp in enumerate(others)]
+                rows.insert(position, SamplingRow(target, seed=1234, step=step))
+                batch_logits = np.insert(np.delete(x, position, axis=0), position, row_logits, axis=0)
+                mixed, _ = _run(batch_logits, rows, batch_size=16)
+                assert mixed.token_ids[position] == alone.token_ids[0], (step, position)
+
+
+def test_seed_and_step_change_the_draw():
+    x = np.zeros((1, V), np.float32)  # uniform: every token equally likely
+    draws = {int(_run(x, [SamplingRow(SP(), seed=s, step=t)])[0].token_ids[0]) for s in range(4) for t in range(4)}
+    assert len(draws) >= 12  # 16 draws from 300 tokens: collisions are rare
+    again = {int(_run(x, [SamplingRow(SP(), seed=s, step=t)])[0].token_ids[0]) for s in range(4) for t in range(4)}
+    assert draws == again
+    wrapped = _run(x, [SamplingRow(SP(), seed=2**32 + 3, step=1)])[0].token_ids[0]
+    assert wrapped == _run(x, [SamplingRow(SP(), seed=3, step=1)])[0].token_ids[0]
+
+
+@pytest.mark.parametrize("sp", [SP(temperature=0.7), SP(temperature=1.0, top_k=4), SP(temperature=1.2, top_p=0.7),
+                                SP(temperature=1.0, top_k=5, top_p=0.8), SP(temperature=1.0, min_p=0.15)])
+def test_draws_follow_the_filtered_distribution(sp):
+    v, n, steps = 10, 256, 8
+    x = np.linspace(2.0, -1.0, v).astype(np.float32)[np.random.default_rng(3).permutation(v)]
+    keep = _support(x, sp)
+    p = np.where(np.isin(np.arange(v), list(keep)), np.exp(x / sp.temperature), 0.0)
+    p /= p.sum()
+    counts = np.zeros(v)
+    for step in range(steps):
+        out, _ = _run(np.tile(x, (n, 1)), [SamplingRow(sp, seed=i, step=step) for i in range(n)])
+        counts += np.bincount(out.token_ids, minlength=v)
+    total = n * steps
+    assert set(np.flatnonzero(counts)) <= keep
+    sigma = np.sqrt(p * (1 - p) / total)
+    np.testing.assert_array_less(np.abs(counts / total - p), 4.5 * sigma + 1e-9)
+
+
+@pytest.mark.parametrize("sp", [SP(temperature=0.8, top_k=20), SP(temperature=1.1, top_p=0.6),
+                                SP(temperature=1.0, top_k=40, top_p=0.9), SP(temperature=0.6, min_p=0.05),
+                                SP(temperature=1.0, top_k=150), SP(temperature=0.9, top_p=0.9),
+                                SP(temperature=1.0, top_k=100, top_p=0.8)])
+@pytest.mark.parametrize("vocab, scale", [(V, 3.0), (5000, 3.0), (5000, 0.2)])
+def test_kept_set_matches_numpy(sp, vocab, scale):
+    """The threshold the sampler keeps p >= ..., against a sorting numpy twin, through the candidate
+    path and the bisection path (a flat 5000-token row, top_k=150 > the 64 candidates)."""
+    x = _logits(4, vocab, scale, seed=7)
+    batch, _ = SamplingBatch.build([SamplingRow(sp, seed=0)] * 4, 4)
+    scaled = jnp.asarray(x) / sp.temperature
+    p = jnp.pad(jnp.exp(scaled - scaled.max(-1, keepdims=True)), ((0, 0), (0, -vocab % 128)))  # as sample pads
+    threshold = np.asarray(jnp.maximum(sampler._top_k_p_threshold(p, batch.top_k, batch.top_p), batch.min_p))
+    for row in range(4):
+        kept = set(np.flatnonzero(np.asarray(p[row]) >= threshold[row]).tolist())
+        assert kept == _support(x[row], sp), row
+
+
+def test_draws_stay_in_the_kept_set():
+    x = _logits(16, 5000, 0.3, seed=5)
+    params = [SP(temperature=0.9, top_p=0.9), SP(top_k=200), SP(top_k=30, top_p=0.5), SP(min_p=0.9)] * 4
+    for step in range(3):
+        out, _ = _run(x, [SamplingRow(sp, seed=i, step=step) for i, sp in enumerate(params)])
+        for row, sp in enumerate(params):
+            assert out.token_ids[row] in _support(x[row], sp)
+
+
+def test_penalties_match_the_formulas():
+    prompt, output = [3, 5, 5, 7, 299], [5, 9, 9, 9, 12, 3]
+    params = [SP(repetition_penalty=1.3), SP(presence_penalty=0.7), SP(frequency_penalty=0.4),
+              SP(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.5), SP()]
+    x = _logits(5)
+    x[:, [3, 5, 9]] = [2.0, -1.5, 0.0]  # positive, negative and zero logits among the seen tokens
+    rows = [SamplingRow(sp, seed=0, step=len(output), token_ids=prompt + output, num_prompt_tokens=len(prompt))
+            for sp in params]
+    batch, flags = SamplingBatch.build(rows, 8)
+    assert flags.any_penalty and batch.history.shape == (8, 16)  # history bucketed to a power of two
+    padded = jnp.pad(jnp.asarray(np.concatenate([x, np.zeros((3, V), np.float32)])), ((0, 0), (0, 84)))
+    got = np.asarray(sampler._penalise(padded, batch))[:5, :V]
+    for row, sp in enumerate(params):
+        np.testing.assert_allclose(got[row], _penalised(x[row], sp, prompt, output), rtol=1e-6, atol=1e-6)
+
+
+def test_penalties_steer_greedy_choice():
+    x = np.zeros((2, V), np.float32)
+    x[:, 10], x[:, 11] = 2.0, 1.5
+    rows = [SamplingRow(SP(temperature=0, frequency_penalty=0.3), seed=0, token_ids=[1, 10, 10], num_prompt_tokens=1),
+            SamplingRow(SP(temperature=0, repetition_penalty=1.5), seed=0, token_ids=[10, 4], num_prompt_tokens=1)]
+    out, _ = _run(x, rows)
+    assert out.token_ids.tolist() == [11, 11]  # 2 - 0.6 < 1.5, and 2 / 1.5 < 1.5
+
+
+def test_min_tokens_suppression():
+    x = _logits(4)
+    x[:, 7] = 30.0  # "EOS" dominates every row
+    rows = [SamplingRow(SP(temperature=0), seed=0, suppress_ids=(7,)),
+            SamplingRow(SP(temperature=0), seed=0),
+            SamplingRow(SP(), seed=1, suppress_ids=(7, 8)),
+            SamplingRow(SP(), seed=2)]
+    out, flags = _run(x, rows)
+    assert flags.any_suppress
+    assert out.token_ids[0] == np.argmax(np.where(np.arange(V) == 7, -np.inf, x[0]))
+    assert out.token_ids[1] == 7 and out.token_ids[3] == 7 and out.token_ids[2] not in (7, 8)
+    for step in range(20):
+        out, _ = _run(np.tile(x[2], (2, 1)), [SamplingRow(SP(temperature=5.0, top_p=0.99), seed=s, step=step,
+                                                          suppress_ids=(7, 8)) for s in range(2)])
+        assert not set(out.token_ids.tolist()) & {7, 8}
+
+
+@pytest.mark.parametrize("vocab", [V, 5000])
+def test_logprobs_are_raw_log_softmax(vocab):
+    x = _logits(4, vocab)
+    rows = [SamplingRow(SP(temperature=0, logprobs=5), seed=0),
+            SamplingRow(SP(temperature=0.5, top_k=3, repetition_penalty=1.5), seed=1, token_ids=[1, 2]),
+            SamplingRow(SP(temperature=1.0, logprobs=0), seed=2),
+            SamplingRow(SP(temperature=0, logprobs=2), seed=3, suppress_ids=(int(np.argmax(x[3])),))]
+    out, flags = _run(x, rows)
+    assert flags.num_logprobs == 8  # bucketed up from 5
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
+    np.testing.assert_allclose(out.logprobs, ref[np.arange(4), out.token_ids], rtol=1e-5, atol=1e-5)
+    order = np.argsort(-ref, axis=-1)[:, :8]
+    np.testing.assert_array_equal(out.top_ids, order)
+    np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, order, -1), rtol=1e-5, atol=1e-5)
+    assert np.all(np.diff(out.top_logprobs, axis=-1) <= 0)
+
+
+def test_no_logprobs_gives_empty_top_arrays():
+    out, flags = _run(_logits(2), [SamplingRow(SP(temperature=0), seed=0)] * 2)
+    assert flags.num_logprobs == 0 and out.top_ids.shape == (2, 0) and out.top_logprobs.shape == (2, 0)
+
+
+def test_builder_pads_rows_and_sets_flags():
+    rows = [SamplingRow(SP(temperature=0.5, top_k=-1, logprobs=20), seed=-1, step=4),
+            SamplingRow(SP(temperature=0, top_p=0.5, top_k=3), seed=7, step=2, suppress_ids=(1, 2, 3))]
+    batch, flags = SamplingBatch.build(rows, 4)
+    assert flags == SamplerFlags(any_random=True, any_top_k_p=False, any_suppress=True, num_logprobs=20)
+    np.testing.assert_array_equal(batch.temperature, [0.5, 0, 0, 0])
+    np.testing.assert_array_equal(batch.top_k, [0, 0, 0, 0])  # -1 is off; greedy rows ignore top-k / top-p
+    np.testing.assert_array_equal(batch.top_p, [1, 1, 1, 1])
+    np.testing.assert_array_equal(batch.seed, np.array([2**32 - 1, 7, 0, 0], np.uint32))
+    np.testing.assert_array_equal(batch.step, [4, 2, 0, 0])
+    np.testing.assert_array_equal(batch.suppress_ids, [[-1] * 4, [1, 2, 3, -1], [-1] * 4, [-1] * 4])
+    assert batch.history.shape == (4, 0) and not flags.any_penalty
+    # presence / frequency only read the output tokens
+    batch, _ = SamplingBatch.build([SamplingRow(SP(presence_penalty=1.0), seed=0, token_ids=[4, 5, 6], num_prompt_tokens=2)], 1)
+    np.testing.assert_array_equal(batch.history, [[6]])
+    assert batch.num_prompt.tolist() == [0]
+
+
+def test_builder_and_sample_reject_bad_shapes():
+    with pytest.raises(ValueError, match="need 1..batch_size=2 rows, got 3"):
+        SamplingBatch.build([SamplingRow(SP(), seed=0)] * 3, 2)
+    with pytest.raises(ValueError, match="need 1..batch_size=2 rows, got 0"):
+        SamplingBatch.build([], 2)
+    batch, flags = SamplingBatch.build([SamplingRow(SP(), seed=0)], 2)
+    with pytest.raises(ValueError, match=r"logits must be \[B=2, V\], got \(3, 300\)"):
+        sample(jnp.zeros((3, V)), batch, flags)

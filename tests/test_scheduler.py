@@ -1,0 +1,412 @@
+"""Scheduler, driven by a fake engine loop over a fake device (no model, no jax)."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fake_device import FakeDevice, check_block_manager
+from zipage_jax.engine.block_manager import BlockManager
+from zipage_jax.engine.scheduler import Scheduler, SchedulerOutput
+from zipage_jax.engine.sequence import Sequence, SequenceStatus
+
+
+class Loop:
+    """The engine loop of llm_engine.step with the model replaced by FakeDevice; checks the
+    scheduler's promises around every step."""
+
+    def __init__(self, num_blocks: int, bs: int = 4, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
+                 num_query_slots: int = 8, max_compress_seqs: int = 8, prefix_caching: bool = True,
+                 query_cache_len: int = 2, seed: int = 0):
+        self.bs, self.ql = bs, query_cache_len
+        self.bm = BlockManager(num_blocks, bs, prefix_caching)
+        self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                               num_query_slots=num_query_slots, max_compress_seqs=max_compress_seqs)
+        self.device = FakeDevice(num_blocks, bs, num_query_slots, query_cache_len, seed)
+        self.rng = random.Random(seed)
+        self.max_tokens: dict[Sequence, int] = {}
+        self.seqs: list[Sequence] = []
+        self.admitted: list[Sequence] = []  # in order of first admission
+        self.history: list[SchedulerOutput] = []
+        self.slots_in_use = 0  # most query slots ever held at once
+
+    def add(self, prompt: list[int], max_tokens: int, budget: int | None = None, parent: Sequence | None = None,
+            ) -> Sequence:
+        seq = Sequence(list(prompt), self.bs, budget_blocks=budget, parent=parent, query_cache_len=self.ql)
+        self.max_tokens[seq] = max_tokens
+        self.seqs.append(seq)
+        self.sched.add(seq)
+        return seq
+
+    def step(self) -> SchedulerOutput:
+        before = {s: _state(s, self.bs) for s in self.seqs}
+        running, waiting = list(self.sched.running), list(self.sched.waiting)
+        out = self.sched.schedule()
+        self._check_output(out, before, running, waiting)
+        for plan in out.compressions:
+            self.device.check_query_tail(plan.seq)
+            self.device.compact(plan)
+        evicted = self.sched.finish_compressions(out)
+        assert evicted == sum(before[p.seq]["kv"] - p.seq.budget_blocks * self.bs for p in out.compressions)
+        for chunk in out.chunks:
+            self.device.write(chunk.seq, chunk.start, chunk.num_tokens)
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq not in self.admitted:
+                self.admitted.append(seq)
+            self.sched.commit(chunk)
+            if chunk.samples:
+                seq.token_ids.append(self.rng.randrange(3))
+                if seq.num_output_tokens >= self.max_tokens[seq]:
+                    self.sched.finish(seq)
+        self.check_state()
+        self.history.append(out)
+        return out
+
+    def run(self, max_steps: int = 2000) -> int:
+        for steps in range(max_steps):
+            if not self.sched.has_unfinished():
+                return steps
+            out = self.step()
+            assert out.chunks or out.compressions, f"stalled at step {steps}"
+        raise AssertionError(f"not finished after {max_steps} steps")
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    def _check_output(self, out, before, running, waiting) -> None:
+        sched, bs = self.sched, self.bs
+        assert sum(c.num_tokens for c in out.chunks) <= sched.max_num_batched_tokens
+        assert len(sched.running) <= sched.max_num_seqs
+        assert len({c.seq for c in out.chunks}) == len(out.chunks)
+        for c in out.chunks:
+            seq = c.seq
+            assert seq.status == SequenceStatus.RUNNING and not seq.compressing
+            assert c.start == seq.num_computed_tokens and 1 <= c.num_tokens <= len(seq) - c.start
+            assert len(seq.block_table) * bs >= seq.num_kv_slots + c.num_tokens
+            m = seq.budget_blocks
+            for phys in range(seq.num_kv_slots, seq.num_kv_slots + c.num_tokens):
+                if m is not None and phys // bs >= m and phys % bs >= bs - self.ql:
+                    assert seq.query_slot is not None, "computes a query tail without a query slot"
+        holders = [s.query_slot for s in self.seqs if s.query_slot is not None]
+        assert len(holders) == len(set(holders)) <= sched.query_slots.num_slots
+        assert all(0 <= q < sched.query_slots.num_slots for q in holders)
+        self.slots_in_use = max(self.slots_in_use, len(holders))
+        # preemption: the victim is the most recently admitted sequence that may be preempted
+        remaining = list(running)
+        for victim in out.preempted:
+            assert not before[victim]["compressed"] and not victim.compressing
+            later = remaining[remaining.index(victim) + 1:]
+            assert all(s.compressed or s.compressing for s in later), "not the most recent preemptible"
+            remaining.remove(victim)
+        # FCFS: admitted sequences are a prefix of the queue (preempted ones went to its front)
+        admitted = [s for s in sched.running if s not in remaining]
+        queue = list(reversed(out.preempted)) + waiting
+        assert admitted == queue[:len(admitted)], "admission is not FCFS"
+        # compression exactly when all blocks are full and the next token needs a new one
+        planned = [p.seq for p in out.compressions]
+        assert len(planned) == len(set(planned)) <= sched.max_compress_seqs
+        for s in remaining:
+            if before[s]["full"] and not before[s]["compressing"]:
+                assert s not in [c.seq for c in out.chunks], "grows past its budget"
+        for plan in out.compressions:
+            seq, m = plan.seq, plan.seq.budget_blocks
+            assert before[seq]["full"] and not before[seq]["compressing"] and seq.compressing
+            assert plan.source_table == seq.block_table and len(plan.target_table) == m + 1
+            assert len(set(plan.target_table)) == m + 1 and 0 not in plan.target_table
+            for i, b in enumerate(plan.target_table):
+                assert b not in plan.source_table[i + 1:], "a write could overtake a read"
+                assert self.bm.blocks[b].ref_count == 1
+            kept = [b for b in plan.source_table if b in plan.target_table]
+            assert sorted(plan.release) == sorted(b for b in plan.source_table if b not in kept)
+
+    def check_state(self) -> None:
+        live = [s for s in self.seqs if not s.is_finished]
+        assert set(live) == set(self.sched.running) | set(self.sched.waiting)
+        assert len(self.sched.running) == len(set(self.sched.running))
+        check_block_manager(self.bm, live, self.device)
+        for s in self.seqs:
+            if s.status != SequenceStatus.RUNNING:
+                assert s.block_table == [] and s.query_slot is None
+                assert s.is_finished or s.num_kv_slots == s.num_computed_tokens == 0
+                continue
+            self.device.check_view(s)
+            assert not s.compressing
+            if s.compressed:
+                assert len(s.block_table) == s.budget_blocks + 1, "a compressed sequence grew"
+            else:
+                assert len(s.block_table) == -(-s.num_kv_slots // self.bs)
+
+    def check_all_freed(self) -> None:
+        assert all(s.is_finished for s in self.seqs)
+        assert self.bm.num_free_blocks == self.bm.num_usable_blocks, "blocks leaked"
+        assert self.sched.query_slots.in_use == 0, "query slots leaked"
+
+
+def _state(seq: Sequence, bs: int) -> dict:
+    m = seq.budget_blocks
+    full = (m is not None and seq.status == SequenceStatus.RUNNING and not seq.in_prefill
+            and len(seq.block_table) >= m + 1 and seq.num_kv_slots == len(seq.block_table) * bs)
+    return dict(full=full, kv=seq.num_kv_slots, compressed=seq.compressed, compressing=seq.compressing)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(100, 200) for _ in range(n)]
+
+
+# -- admission and batching ---------------------------------------------------------------------
+
+
+def test_fcfs_admission_and_everything_finishes():
+    loop = Loop(64, max_num_seqs=2)
+    seqs = [loop.add(prompt(5 + i, i), max_tokens=3 + i) for i in range(6)]
+    loop.run()
+    assert loop.admitted == seqs
+    assert [s.num_output_tokens for s in seqs] == [3 + i for i in range(6)]
+    loop.check_all_freed()
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    loop = Loop(64, max_num_batched_tokens=5)
+    long = loop.add(prompt(23, 0), max_tokens=4)
+    short = loop.add(prompt(3, 1), max_tokens=4)
+    out = loop.step()
+    assert [(c.seq, c.start, c.num_tokens) for c in out.chunks] == [(long, 0, 5)]
+    steps = [loop.step() for _ in range(4)]
+    assert [c.num_tokens for c in steps[-1].chunks] == [3, 2]  # the prompt ends, the next one starts
+    assert long.num_output_tokens == 1 and short.num_output_tokens == 0
+    loop.run()
+    assert all(sum(c.num_tokens for c in o.chunks) <= 5 for o in loop.history)
+    loop.check_all_freed()
+
+
+# -- preemption ---------------------------------------------------------------------------------
+
+
+def test_preemption_picks_the_latest_and_every_request_finishes():
+    loop = Loop(9, prefix_caching=False)  # 8 usable blocks of 4: room for about 2 of these
+    seqs = [loop.add(prompt(6, i), max_tokens=10) for i in range(4)]
+    loop.run()
+    preempted = [s for o in loop.history for s in o.preempted]
+    assert preempted, "the pool was never full"
+    assert seqs[0] not in preempted  # the oldest always keeps its blocks
+    assert all(s.num_output_tokens == 10 for s in seqs)
+    loop.check_all_freed()
+
+
+def test_a_compressed_sequence_is_never_preempted():
+    loop = Loop(10)
+    full = [loop.add(prompt(6, i), max_tokens=16) for i in range(1, 3)]
+    budgeted = loop.add(prompt(6, 0), max_tokens=40, budget=1)  # the latest; compressed from 8 tokens on
+    loop.run()
+    preempted = [s for o in loop.history for s in o.preempted]
+    assert preempted and budgeted not in preempted and budgeted.metrics.num_compressions > 0
+    assert all(s.is_finished for s in full)
+    loop.check_all_freed()
+
+
+def test_a_preempted_sequence_recomputes_from_the_prefix_cache():
+    loop = Loop(7)  # 6 blocks: the first sequence ends with 4, the other 2 stay cached meanwhile
+    first, victim = [loop.add(prompt(6, i), max_tokens=10) for i in range(2)]
+    loop.run()
+    assert victim.metrics.num_preemptions == 1 and first.metrics.num_preemptions == 0
+    assert victim.metrics.num_cached_prompt_tokens == 8
+    loop.check_all_freed()
+
+
+# -- compression --------------------------------------------------------------------------------
+
+
+def test_compression_happens_exactly_when_the_budget_is_full():
+    bs, m = 4, 2
+    loop = Loop(16, bs, query_cache_len=2)
+    seq = loop.add(prompt(5, 0), max_tokens=10 * (m + 1) * bs, budget=m)
+    compressed_at = []
+    while loop.sched.has_unfinished():
+        out = loop.step()
+        if out.compressions:
+            assert [p.seq for p in out.compressions] == [seq] and not out.chunks
+            compressed_at.append(seq.num_computed_tokens)
+            assert seq.num_kv_slots == m * bs and len(seq.block_table) == m + 1
+        assert len(seq.block_table) <= m + 1
+    last = 5 + 10 * (m + 1) * bs - 2  # position of the last computed token
+    expected = list(range((m + 1) * bs, last + 1, bs))
+    assert compressed_at == expected
+    assert seq.metrics.num_compressions == len(expected)
+    assert seq.metrics.kv_tokens_evicted == len(expected) * bs
+    loop.check_all_freed()
+
+
+def test_a_long_prompt_is_prefilled_in_full_then_compressed():
+    bs, m = 4, 1
+    loop = Loop(16, bs, max_num_batched_tokens=6)
+    seq = loop.add(prompt(5 * bs - 1, 0), max_tokens=6, budget=m)
+    loop.step()
+    while seq.in_prefill or seq.num_output_tokens == 0:
+        assert not loop.step().compressions
+    assert len(seq.block_table) == 5
+    out = loop.step()  # one token fills block 5: still no compression
+    assert not out.compressions and len(seq.block_table) == 5
+    out = loop.step()
+    assert [p.seq for p in out.compressions] == [seq] and len(out.compressions[0].release) == 5 - (m + 1)
+    loop.run()
+    loop.check_all_freed()
+
+
+def test_a_compression_that_needs_blocks_for_shared_ones_preempts():
+    loop = Loop(8, 4, max_num_seqs=3, max_num_batched_tokens=3, num_query_slots=1, query_cache_len=1)
+    p = prompt(14, 0)
+    parent = loop.add(p, max_tokens=4, budget=1)
+    loop.add(p, max_tokens=4, budget=1, parent=parent)  # shares the parent's first 3 blocks
+    loop.add(prompt(1, 1), max_tokens=8, budget=1)  # holds the last free blocks
+    loop.run()
+    plan, out = next((p, o) for o in loop.history for p in o.compressions if p.seq is parent)
+    assert set(plan.target_table).isdisjoint(plan.source_table)  # both kept blocks were shared
+    assert out.preempted, "the blocks for the shared ones came from a preemption"
+    loop.check_all_freed()
+
+
+def test_max_compress_seqs_bounds_one_step():
+    loop = Loop(64)
+    seqs = [loop.add(prompt(8, 0), max_tokens=12, budget=1) for _ in range(5)]
+    loop.sched.max_compress_seqs = 2
+    loop.run()
+    assert max(len(o.compressions) for o in loop.history) == 2
+    assert all(s.metrics.num_compressions >= 1 for s in seqs)
+    loop.check_all_freed()
+
+
+# -- query slots --------------------------------------------------------------------------------
+
+
+def test_query_slots_are_shared_by_more_sequences_than_slots():
+    bs, m, ql = 4, 1, 2
+    loop = Loop(64, bs, num_query_slots=2, query_cache_len=ql)
+    seqs = [loop.add(prompt(3, i), max_tokens=20, budget=m) for i in range(5)]
+    waited = set()
+    while loop.sched.has_unfinished():
+        out = loop.step()
+        scheduled = {c.seq for c in out.chunks} | {p.seq for p in out.compressions}
+        for s in loop.sched.running:
+            if s not in scheduled and s.query_slot is None:
+                assert s.num_kv_slots == m * bs + bs - ql  # stopped right before its query tail
+                waited.add(s)
+    assert loop.slots_in_use == 2 and waited
+    assert all(s.num_output_tokens == 20 for s in seqs)
+    loop.check_all_freed()
+
+
+def test_a_sequence_without_a_slot_decodes_below_its_budget():
+    loop = Loop(64, num_query_slots=1)
+    holder = loop.add(prompt(3, 0), max_tokens=30, budget=1)
+    small = loop.add(prompt(2, 1), max_tokens=5, budget=1)  # never reaches block M's tail
+    while not small.is_finished:
+        out = loop.step()
+        assert small in [c.seq for c in out.chunks] and small.query_slot is None
+    assert small.num_output_tokens == 5 and holder.query_slot is not None
+    loop.run()
+    loop.check_all_freed()
+
+
+# -- n > 1 --------------------------------------------------------------------------------------
+
+
+def test_siblings_wait_for_the_parent_prompt_then_hit_the_prefix_cache():
+    bs = 4
+    loop = Loop(64, bs, max_num_batched_tokens=8)
+    p = prompt(3 * bs + 2, 0)
+    parent = loop.add(p, max_tokens=4)
+    siblings = [loop.add(p, max_tokens=4, parent=parent) for _ in range(2)]
+    while parent.num_computed_tokens < len(p):
+        assert all(s.status == SequenceStatus.WAITING for s in siblings)
+        loop.step()
+    loop.step()
+    assert all(s.status == SequenceStatus.RUNNING for s in siblings)
+    for s in siblings:
+        assert s.metrics.num_cached_prompt_tokens == 3 * bs
+        assert s.block_table[:3] == parent.block_table[:3]
+    assert [loop.bm.blocks[b].ref_count for b in parent.block_table[:3]] == [3, 3, 3]
+    loop.run()
+    loop.check_all_freed()
+
+
+# -- abort --------------------------------------------------------------------------------------
+
+
+def test_abort_frees_waiting_and_running_sequences():
+    loop = Loop(10, max_num_seqs=2, num_query_slots=1)
+    running = [loop.add(prompt(9, i), max_tokens=50, budget=1) for i in range(2)]
+    waiting = [loop.add(prompt(5, i), max_tokens=50) for i in range(2, 4)]
+    for _ in range(12):
+        loop.step()
+    assert any(s.compressed for s in running) and all(s.status == SequenceStatus.WAITING for s in waiting)
+    for s in running + waiting:
+        loop.sched.finish(s)
+        loop.check_state()
+    assert not loop.sched.has_unfinished()
+    loop.check_all_freed()
+
+
+# -- random workloads ---------------------------------------------------------------------------
+
+
+@st.composite
+def workloads(draw):
+    bs = draw(st.sampled_from([2, 4]))
+    ql = draw(st.integers(1, bs))
+    requests, need = [], 0
+    for _ in range(draw(st.integers(1, 6))):
+        family = draw(st.integers(0, 2))  # prompts of one family share a prefix
+        p = prompt(5 * bs, family)[:draw(st.integers(1, 5 * bs))] + draw(st.lists(st.integers(0, 2), max_size=bs))
+        k = draw(st.integers(1, 8 * bs))
+        m = draw(st.sampled_from([None, 1, 1, 2, 3]))
+        if m is None:
+            blocks = -(-(len(p) + k) // bs)
+        else:  # prefilled in full (+1 block of output before it compresses), then fresh blocks for shared ones
+            blocks = -(-max(len(p), (m + 1) * bs) // bs) + 1 + m + 1
+        need = max(need, blocks)
+        requests.append(dict(prompt=p, max_tokens=k, budget=m, n=draw(st.integers(1, 3)),
+                             arrival=draw(st.integers(0, 12))))
+    return dict(
+        bs=bs, ql=ql, requests=requests,
+        num_blocks=need + 1 + draw(st.integers(0, 4)),
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=draw(st.integers(1, 12)),
+        num_query_slots=draw(st.integers(1, 4)),
+        max_compress_seqs=draw(st.integers(1, 3)),
+        prefix_caching=draw(st.booleans()),
+        abort=draw(st.one_of(st.none(), st.integers(0, 30))),
+    )
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_on_tiny_pools_always_finish(w):
+    loop = Loop(w["num_blocks"], w["bs"], max_num_seqs=w["max_num_seqs"],
+                max_num_batched_tokens=w["max_num_batched_tokens"], num_query_slots=w["num_query_slots"],
+                max_compress_seqs=w["max_compress_seqs"], prefix_caching=w["prefix_caching"],
+                query_cache_len=w["ql"])
+    pending = sorted(w["requests"], key=lambda r: r["arrival"])
+    aborted = None
+    for step in range(3000):
+        while pending and pending[0]["arrival"] <= step:
+            r = pending.pop(0)
+            parent = loop.add(r["prompt"], r["max_tokens"], r["budget"])
+            for _ in range(r["n"] - 1):
+                loop.add(r["prompt"], r["max_tokens"], r["budget"], parent=parent)
+        if step == w["abort"] and loop.seqs:
+            aborted = loop.seqs[-1]
+            loop.sched.finish(aborted)
+            loop.check_state()
+        if not loop.sched.has_unfinished():
+            if not pending:
+                break
+            continue
+        out = loop.step()
+        assert out.chunks or out.compressions, f"stalled at step {step}"
+    else:
+        raise AssertionError("not finished after 3000 steps")
+    loop.check_all_freed()
+    assert all(s.num_output_tokens == loop.max_tokens[s] for s in loop.seqs if s is not aborted)

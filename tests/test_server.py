@@ -1,0 +1,412 @@
+"""The OpenAI-compatible server, run for real (uvicorn in a thread, a tiny model) and driven
+with the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.server import create_app
+
+MODEL = "tiny"
+POISON_SEED = 4242  # add_request raises for this seed (FaultyEngine)
+ENGINE_OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=256, max_num_seqs=64, max_model_len=256,
+                      max_num_batched_tokens=512)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FaultyEngine(LLMEngine):
+    """The real engine, failing on demand: add_request for POISON_SEED, step while fail_steps > 0."""
+
+    fail_steps = 0
+
+    def add_request(self, prompt, params=None, request_id=None):
+        if params is not None and params.seed == POISON_SEED:
+            raise RuntimeError("poisoned request")
+        return super().add_request(prompt, params, request_id)
+
+    def step(self):
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("injected step failure")
+        return super().step()
+
+
+class ServerThread:
+    """uvicorn serving `app` on a free 127.0.0.1 port, in a daemon thread."""
+
+    def __init__(self, app):
+        self.app = app
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        _wait_for(lambda: self.server.started, 30, "uvicorn did not start")
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory, model_cache_dir):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
+        model_dir = str(tiny_model_factory("qwen3"))
+        app = create_app(lambda: FaultyEngine(model=model_dir, **ENGINE_OPTIONS), [MODEL, "alias"])
+        srv = ServerThread(app)
+        try:
+            _wait_for(lambda: httpx.get(f"{srv.url}/health").status_code == 200, 120, "the model did not load")
+            srv.engine = app.state.engine_loop.engine
+            srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", timeout=60, max_retries=0)
+            srv.http = httpx.Client(base_url=srv.url, timeout=60)
+            srv.http.post("/v1/completions", json=dict(model=MODEL, prompt="warm up", max_tokens=2))
+            yield srv
+        finally:
+            srv.close()
+
+
+def _wait_for(condition, timeout: float, message: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(message)
+        time.sleep(0.05)
+
+
+def metrics(srv) -> dict[str, float]:
+    """The /metrics samples, by name with labels stripped (each is unique here)."""
+    samples = {}
+    for line in srv.http.get("/metrics").text.splitlines():
+        if not line.startswith("#") and "le=" not in line and "finished_reason" not in line:
+            name, value = re.fullmatch(r"([a-z0-9_:]+)(?:\{.*\})? (\S+)", line).groups()
+            samples[name] = float(value)
+    return samples
+
+
+def wait_idle(srv, free_blocks: float) -> dict[str, float]:
+    _wait_for(lambda: (m := metrics(srv))["zipage:kv_free_blocks"] == free_blocks
+              and m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0, 30,
+              "blocks were not freed")
+    return metrics(srv)
+
+
+# -- the openai client -------------------------------------------------------------------------
+
+
+def test_models_and_health(server):
+    assert server.http.get("/health").json() == {"status": "ok"}
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [MODEL, "alias"]
+    assert server.http.get("/v1/models").json()["data"][0]["max_model_len"] == 256
+
+
+def test_completion_greedy_matches_stream_and_token_prompt(server):
+    tok = server.app.state.engine_loop.tokenizer
+    prompt = "The quick brown fox"
+    kwargs = dict(model=MODEL, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    full = server.client.completions.create(prompt=prompt, **kwargs)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length"
+    assert full.usage.prompt_tokens == len(tok(prompt)["input_ids"])
+    assert full.usage.completion_tokens == 12 and full.usage.total_tokens == full.usage.prompt_tokens + 12
+    by_ids = server.client.completions.create(prompt=tok(prompt)["input_ids"], **kwargs)
+    assert by_ids.choices[0].text == choice.text
+    chunks = list(server.client.completions.create(prompt=prompt, stream=True,
+                                                   stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_renders_the_template(server):
+    tok = server.app.state.engine_loop.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    kwargs = dict(model=MODEL, max_tokens=10, temperature=0)
+    chat = server.client.chat.completions.create(messages=messages, extra_body={"ignore_eos": True}, **kwargs)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    plain = server.client.completions.create(prompt=ids, extra_body={"ignore_eos": True}, **kwargs)
+    assert chat.object == "chat.completion" and chat.model == MODEL
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.usage.prompt_tokens == len(ids) and chat.usage.completion_tokens == 10
+    stream = list(server.client.chat.completions.create(messages=messages, stream=True,
+                                                        extra_body={"ignore_eos": True}, **kwargs))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == plain.choices[0].text
+    assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_several_prompts_and_n(server):
+    out = server.client.completions.create(model="alias", prompt=["one", "two two"], n=3, max_tokens=5,
+                                           temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == list(range(6))
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage.completion_tokens == 30
+    again = server.client.completions.create(model=MODEL, prompt=["one", "two two"], n=3, max_tokens=5,
+                                             temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded
+    streamed = list(server.client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=4,
+                                                     stream=True, extra_body={"ignore_eos": True}))
+    finished = [c.choices[0].index for c in streamed if c.choices[0].finish_reason]
+    assert sorted(finished) == [0, 1, 2, 3]
+
+
+def test_stop_string(server):
+    kwargs = dict(model=MODEL, prompt="Stop here", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    text = server.client.completions.create(**kwargs).choices[0].text
+    stop = next(ch for ch in text[3:] if ch.isprintable() and ch != "\ufffd")
+    stopped = server.client.completions.create(stop=[stop], **kwargs).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[:text.index(stop)]
+    assert stopped.model_extra["stop_reason"] == stop
+
+
+def test_logprobs(server):
+    out = server.client.completions.create(model=MODEL, prompt="Log", max_tokens=6, temperature=0, logprobs=3,
+                                           extra_body={"ignore_eos": True}).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy takes the most likely
+    assert "".join(lp.tokens) == out.text
+    chat = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                                 extra_body={"ignore_eos": True}).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5) for c in content)
+    assert bytes(b for c in content for b in c.bytes).decode("utf-8", "replace") == chat.message.content
+
+
+def test_kv_budget_compresses(server):
+    before = metrics(server)
+    out = server.client.completions.create(model=MODEL, prompt="Compress me", max_tokens=80, temperature=0,
+                                           extra_body={"ignore_eos": True, "kv_budget": 32})
+    after = metrics(server)
+    assert out.usage.completion_tokens == 80
+    assert after["zipage:compressions_total"] > before["zipage:compressions_total"]
+    assert after["zipage:kv_tokens_evicted_total"] > before["zipage:kv_tokens_evicted_total"]
+
+
+def test_metrics_names(server):
+    server.client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
+    m = metrics(server)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "zipage:compressions_total", "zipage:kv_tokens_evicted_total", "zipage:seqs_at_budget",
+                 "zipage:query_slots_in_use", "zipage:kv_free_blocks"):
+        assert name in m, name
+    assert m["vllm:generation_tokens_total"] >= 3 and m["vllm:time_to_first_token_seconds_count"] >= 1
+    assert m["zipage:kv_free_blocks"] == m["zipage:kv_total_blocks"]  # idle: every block free
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+BAD = [
+    (COMPLETIONS, b"{not json", 400, None),
+    (COMPLETIONS, b"[1, 2]", 400, None),
+    (COMPLETIONS, {"prompt": "x"}, 400, "model"),
+    (COMPLETIONS, {"model": MODEL}, 400, "prompt"),
+    (CHAT, {"model": MODEL}, 400, "messages"),
+    (COMPLETIONS, {"model": MODEL, "prompt": 7}, 400, "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [True]}, 400, "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "min_p": 2}, 400, "min_p"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": -1}, 400, "kv_budget"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": 8}, 400, "kv_budget"),  # < query_cache_len
+    (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x" * 300}, 400, "prompt"),  # 300 tokens > max_model_len 256
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
+    (COMPLETIONS, {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    (CHAT, {"model": "gpt-4", "messages": USER}, 404, "model"),
+    (CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x" * 300}]}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input_is_an_openai_error(server, path, body, status, param):
+    if isinstance(body, bytes):
+        r = server.http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = server.http.post(path, json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    if status == 404:
+        assert error["code"] == "model_not_found"
+
+
+def test_openai_client_raises_on_bad_input(server):
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        server.client.completions.create(model=MODEL, prompt="x", top_p=7)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client.chat.completions.create(model="nope", messages=USER)
+
+
+def test_unknown_route_is_an_openai_error(server):
+    r = server.http.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "Not Found"
+
+
+# -- lifecycle ---------------------------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    start = wait_idle(server, metrics(server)["zipage:kv_total_blocks"])
+    body = dict(model=MODEL, prompt="a long story " * 4, max_tokens=200, ignore_eos=True, stream=True)
+    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert [next(line for line in lines if line.startswith("data:")) for _ in range(3)]
+        busy = metrics(server)
+        assert busy["zipage:kv_free_blocks"] < start["zipage:kv_free_blocks"]
+    end = wait_idle(server, start["zipage:kv_free_blocks"])
+    assert end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"] < 200  # aborted early
+
+
+def test_disconnect_while_waiting_for_a_whole_response(server):
+    start = wait_idle(server, metrics(server)["zipage:kv_total_blocks"])
+    body = dict(model=MODEL, prompt="wait for me", max_tokens=200, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=httpx.Timeout(60, read=0.5))
+    end = wait_idle(server, start["zipage:kv_free_blocks"])
+    assert end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"] < 200
+
+
+def test_a_failing_request_fails_alone(server):
+    body = dict(model=MODEL, prompt="survivor", max_tokens=60, temperature=0, ignore_eos=True, stream=True)
+    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        bad = server.http.post(COMPLETIONS, json=dict(model=MODEL, prompt="x", seed=POISON_SEED))
+        assert bad.status_code == 500 and "poisoned request" in bad.json()["error"]["message"]
+        rest = [line for line in lines if line.startswith("data:")]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+
+
+def test_a_failing_step_fails_the_batch_and_serving_goes_on(server):
+    start = wait_idle(server, metrics(server)["zipage:kv_total_blocks"])
+    body = dict(model=MODEL, prompt="doomed", max_tokens=100, ignore_eos=True, stream=True)
+    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+        server.engine.fail_steps = 1
+        rest = [line for line in lines if line.startswith("data:")]
+    assert rest[-1] == "data: [DONE]" and "injected step failure" in rest[-2] and '"error"' in rest[-2]
+    r = server.http.post(COMPLETIONS, json=dict(model=MODEL, prompt="doomed", max_tokens=100, ignore_eos=True))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 100
+    wait_idle(server, start["zipage:kv_free_blocks"])
+
+
+def test_many_concurrent_streams(server):
+    start = wait_idle(server, metrics(server)["zipage:kv_total_blocks"])
+    clients, max_tokens = 64, 8
+    aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120, max_retries=0)
+
+    async def one(i: int) -> tuple[str, int, str]:
+        stream = await aclient.completions.create(model=MODEL, prompt=f"client {i}", max_tokens=max_tokens,
+                                                  temperature=0, stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+        text, usage, reason = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            usage = chunk.usage or usage
+        return text, usage.completion_tokens, reason
+
+    async def all_clients():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(clients)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(all_clients())
+    assert [(n, reason) for _, n, reason in results] == [(max_tokens, "length")] * clients
+    end = wait_idle(server, start["zipage:kv_free_blocks"])
+    assert end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"] == clients * max_tokens
+    solo = server.client.completions.create(model=MODEL, prompt="client 5", max_tokens=max_tokens, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert results[5][0] == solo.choices[0].text  # batching did not change greedy output
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def test_health_is_503_while_loading_and_after_a_failed_load():
+    release, failures = threading.Event(), []
+
+    def slow_broken_engine():
+        release.wait(30)
+        raise FileNotFoundError("no such model")
+
+    srv = ServerThread(create_app(slow_broken_engine, [MODEL], on_load_error=failures.append))
+    try:
+        r = httpx.get(f"{srv.url}/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the model is still loading"
+        r = httpx.post(f"{srv.url}{COMPLETIONS}", json=dict(model=MODEL, prompt="x"))
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        release.set()
+        _wait_for(lambda: failures, 10, "on_load_error was not called")
+        r = httpx.get(f"{srv.url}/health")
+        assert r.status_code == 503 and "no such model" in r.json()["error"]["message"]
+    finally:
+        srv.close()
+
+
+def test_script_exits_when_the_model_cannot_load(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_jax.py"), "--model", str(tmp_path / "none"),
+                           "--port", str(port), "--kvcache-block-size", "16"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1, proc.stderr
+    assert "none" in proc.stderr and f"127.0.0.1:{port}" in proc.stderr

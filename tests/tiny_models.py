@@ -1,0 +1,189 @@
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints in transformers' format, built offline.
+
+The tokenizer is byte-level BPE over the 256 byte tokens plus ChatML specials and a fixed
+list of merges (" a".." z", common English pairs) filling the model's vocab_size, so every id decodes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ARCHS = ("qwen3", "qwen2", "llama")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+_ARCH_CONFIGS = {
+    # head_dim 32 != hidden / heads; tied embeddings; q/k norm
+    "qwen3": dict(head_dim=32, tie_word_embeddings=True, rope_theta=1_000_000.0),
+    # q/k/v biases; untied
+    "qwen2": dict(tie_word_embeddings=False, rope_theta=10_000.0),
+    # llama3 RoPE scaling with a short original context so most frequencies are rescaled
+    "llama": dict(
+        tie_word_embeddings=False,
+        rope_theta=500_000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+}
+
+
+_MERGES = [("Ġ", c) for c in "abcdefghijklmnopqrstuvwxyz"] + [
+    tuple(p)
+    for p in "th he in er an re on at en nd ti es or te of ed is it al ar st to nt ng se ha as ou io le ve co me"
+    " de hi ri ro ic ne ea ra ce li ch ll be ma si om ur".split()
+]
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = list(SPECIAL_TOKENS) + sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = _MERGES[: vocab_size - len(tokens)]
+    if len(tokens) + len(merges) != vocab_size:
+        raise ValueError(f"tiny tokenizer vocab_size must be in [{len(tokens)}, {len(tokens) + len(_MERGES)}]")
+    tokens += [a + b for a, b in merges]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def hf_config(arch: str, **overrides):
+    import transformers
+
+    if arch not in _ARCH_CONFIGS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
+    cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}
+    return cls[arch](**{**_COMMON, **_ARCH_CONFIGS[arch], **overrides})
+
+
+def save_tiny_model(arch: str, path: str | Path, *, sharded: bool = False, seed: int = 0, **overrides) -> Path:
+    """Save a random float32 `arch` model (config, safetensors, tokenizer) into `path`."""
+    import torch
+    import transformers
+
+    config = hf_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms and biases away from their 1 / 0 init, so loading them is tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    path = Path(path)
+    model.save_pretrained(path, max_shard_size="40KB" if sharded else "1GB")
+    build_tokenizer(config.vocab_size).save_pretrained(path)
+    return path
+
+
+def _llama_cpp_permute(w, n_head: int):
+    """llama.cpp's convert_hf_to_gguf permutation of llama Q/K rows (undone by the loaders)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf_name: str) -> str:
+    """The inverse of zipage_jax.models.gguf.hf_name."""
+    from zipage_jax.models import gguf as ours
+
+    for g, hf in ours._GLOBAL_NAMES.items():
+        if hf == hf_name:
+            return g
+    _, _, layer, rest = hf_name.split(".", 3)  # model.layers.{i}.{module}.{weight|bias}
+    module, leaf = rest.rsplit(".", 1)
+    g = next(g for g, hf in ours._LAYER_NAMES.items() if hf == module)
+    return f"blk.{layer}.{g}.{leaf}"
+
+
+def save_tiny_gguf(model_dir: str | Path, path: str | Path, *, qtype: str = "F32") -> Path:
+    """Write a tiny saved model (no RoPE scaling) as a llama.cpp-style GGUF file.
+
+    Matrices are stored as `qtype` (F32, F16, Q8_0, Q4_0 or Q4_1: the hidden sizes are
+    multiples of 32, not 256), norms and biases as F32; the tokenizer goes in as gpt2-style BPE.
+    """
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    model_dir, path = Path(model_dir), Path(path)
+    c = json.loads((model_dir / "config.json").read_text())
+    arch = c["model_type"]
+    if (c.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+        raise ValueError("GGUF files cannot carry this RoPE scaling; save the model with rope_scaling=None")
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(c["vocab_size"])
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t, _ in vocab])
+    w.add_token_merges([" ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(c["bos_token_id"])
+    w.add_eos_token_id(c["eos_token_id"])
+    w.add_pad_token_id(c["pad_token_id"])
+    w.add_add_bos_token(False)
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    tensors = {k: v for f in files for k, v in load_file(f).items()}
+    for name, value in sorted(tensors.items()):
+        gname = _gguf_name(name)
+        if arch == "llama" and ".attn_q." in gname:
+            value = _llama_cpp_permute(value, c["num_attention_heads"])
+        elif arch == "llama" and ".attn_k." in gname:
+            value = _llama_cpp_permute(value, c["num_key_value_heads"])
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if value.ndim == 2 and qtype != "F32":
+            q = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(gname, gguf.quants.quantize(value, q), raw_dtype=q)
+        else:
+            w.add_tensor(gname, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

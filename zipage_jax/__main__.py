@@ -1,0 +1,52 @@
+"""python -m zipage_jax generate "PROMPT" [--model M] [--max-tokens N] [--temperature T] [engine options]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from zipage_jax.cli_options import add_engine_arguments, engine_options
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zipage_jax")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompts", nargs="+", help="prompt text (several prompts run as one batch)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--kv-budget", type=int, default=None, help="per-request KV budget in tokens (0 = full KV)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_engine_arguments(gen)
+    args = parser.parse_args(argv)
+
+    from zipage_jax import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, kv_budget=args.kv_budget)
+        llm = LLM(**engine_options(args))
+        if args.chat:
+            results = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+        else:
+            results = llm.generate(args.prompts, params)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for prompt, result in zip(args.prompts, results):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": result["text"], "finish_reason": result["finish_reason"],
+                              "metrics": result["metrics"]}))
+        else:
+            print(f"{prompt}{result['text']}")
+            print(f"[{result['finish_reason']}; {result['metrics']['completion_tokens']} tokens]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

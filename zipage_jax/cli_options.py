@@ -1,0 +1,34 @@
+"""Engine options as command-line flags (shared by the CLI, the server and the scripts)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from zipage_jax.config import EngineConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --flag per EngineConfig field (--max-cache-blocks-per-seq, --kvcache-block-size, ...)."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            parser.add_argument(flag, type=_parser_for(kind), default=None, metavar=f.name.upper())
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The flags that were given, as EngineConfig keyword arguments."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+            if getattr(args, f.name, None) is not None}
+
+
+def _parser_for(kind):
+    if typing.get_origin(kind) is not typing.Literal:
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        kind = args[0] if args else kind
+    return str if typing.get_origin(kind) is typing.Literal else kind

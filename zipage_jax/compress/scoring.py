@@ -1,0 +1,238 @@
+"""Which tokens a full sequence keeps: ALGORITHM.md section 3, per layer, batched over sequences.
+
+Shapes: B sequences, W table entries, BS block size, T = W*BS, Hkv / Hq heads, D head dim.
+A sequence's valid blocks are the first `num_blocks[b]` entries of its table (all full at
+compression time, the last one newest); the rest is padding (any real block id, e.g. 0).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.attention_score import attention_score, attention_score_reference
+from zipage_jax.config import CompressionConfig
+
+BACKENDS = ("xla", "pallas", "pallas-interpret")
+STREAMING_SINKS = 4  # StreamingLLM's sink count when sink_len is 0
+
+
+class ScoreStages(NamedTuple):
+    """Every stage of one layer's scoring, each [B, Hkv, W, BS]; None when disabled."""
+
+    attn: jax.Array | None  # step 1 (padding 0)
+    global_score: jax.Array | None  # max_norm + step 2
+    pooled: jax.Array | None  # step 3
+    redundancy: jax.Array | None  # step 4, softmaxed (and max-normed), before combining
+    final: jax.Array  # input of top-k, with +inf / -inf
+    keep: jax.Array  # bool, budget_tokens per valid (seq, head), none on padding rows
+
+
+def score_layer(
+    k_pool: jax.Array,
+    queries: jax.Array,
+    block_tables: jax.Array,
+    num_blocks: jax.Array,
+    compressed: jax.Array,
+    score_cache: jax.Array | None,
+    cfg: CompressionConfig,
+    backend: str = "xla",
+) -> tuple[ScoreStages, jax.Array | None]:
+    """Scores one layer's tokens and picks the kept ones.
+
+    Args:
+      k_pool: [NB, BS, Hkv, D] keys (after RoPE), any float dtype; computed in float32.
+      queries: [B, QL, Hq, D] each sequence's cached queries.
+      block_tables: [B, W] int32, padded with a real block id (never -1).
+      num_blocks: [B] int32 valid table entries; 0 marks a padding row.
+      compressed: [B] bool, the sequence was compressed before.
+      score_cache: [NB, BS, Hkv] float32 (required with use_global_score) or None.
+
+    Returns:
+      (stages, score_cache): the score cache with the new global score written into every
+      valid block of every sequence (compaction then moves it with the tokens).
+    """
+    width = block_tables.shape[1]
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if cfg.budget_tokens > width * cfg.block_size:
+        raise ValueError(f"budget_tokens {cfg.budget_tokens} exceeds the table width {width} "
+                         f"* block_size {cfg.block_size}")
+    valid = _valid(num_blocks, width, cfg.block_size)
+    if cfg.eviction_policy == "streaming":
+        final = _streaming_scores(valid, k_pool.shape[2], cfg)
+        keep = top_k_keep(final, valid, cfg.budget_tokens)
+        return ScoreStages(None, None, None, None, final, keep), score_cache
+
+    if backend == "xla":
+        attn = attention_score_reference(k_pool, queries, block_tables, num_blocks)
+    else:
+        attn = attention_score(k_pool, queries, block_tables, num_blocks,
+                               interpret=backend == "pallas-interpret")
+    scores, global_, pooled, red = attn, None, None, None
+    if cfg.use_global_score:
+        scores, score_cache = global_score(scores, score_cache, block_tables, num_blocks, compressed,
+                                           cfg)
+        global_ = scores
+    if cfg.enable_pooling:
+        scores = pooled = max_pool(scores, compressed, cfg)
+    if cfg.redundancy != "none":
+        red = redundancy(k_pool, block_tables, num_blocks, cfg)
+        if cfg.use_global_score and cfg.max_norm:
+            red = _max_normed(red)
+        scores = scores * cfg.redundancy_lambda - red * (1 - cfg.redundancy_lambda)
+    final = _protect_and_mask(scores, valid, num_blocks, cfg)
+    keep = top_k_keep(final, valid, cfg.budget_tokens)
+    return ScoreStages(attn, global_, pooled, red, final, keep), score_cache
+
+
+def global_score(
+    scores: jax.Array,
+    score_cache: jax.Array,
+    block_tables: jax.Array,
+    num_blocks: jax.Array,
+    compressed: jax.Array,
+    cfg: CompressionConfig,
+) -> tuple[jax.Array, jax.Array]:
+    """Step 2: `max(score, decay * history)` off the newest block of compressed sequences."""
+    if score_cache is None:
+        raise ValueError("use_global_score needs a score cache")
+    num_kv_blocks = score_cache.shape[0]
+    width = block_tables.shape[1]
+    if cfg.max_norm:
+        scores = _max_normed(scores)
+    history = score_cache[block_tables].transpose(0, 3, 1, 2)  # [B, Hkv, W, BS]
+    w = jnp.arange(width)
+    use_history = compressed[:, None] & (w[None, :] < num_blocks[:, None] - 1)  # [B, W]
+    decayed = jnp.maximum(scores, history * cfg.decay_factor)
+    scores = jnp.where(use_history[:, None, :, None], decayed, scores)
+    dest = jnp.where(w[None, :] < num_blocks[:, None], block_tables, num_kv_blocks)  # out of range: dropped
+    score_cache = score_cache.at[dest].set(scores.transpose(0, 2, 3, 1), mode="drop")
+    return scores, score_cache
+
+
+def max_pool(scores: jax.Array, compressed: jax.Array, cfg: CompressionConfig) -> jax.Array:
+    """Step 3: max pooling along the whole table row (stride 1, same padding)."""
+    batch, num_kv_heads, width, block_size = scores.shape
+    size = cfg.pooling_size
+    flat = scores.reshape(batch, num_kv_heads, width * block_size)
+    pooled = lax.reduce_window(
+        flat, -jnp.inf, lax.max, (1, 1, size), (1, 1, 1), ((0, 0), (0, 0), (size // 2, size // 2))
+    ).reshape(scores.shape)
+    if cfg.continues_pooling:
+        return pooled
+    return jnp.where(compressed[:, None, None, None], scores, pooled)
+
+
+def redundancy(
+    k_pool: jax.Array, block_tables: jax.Array, num_blocks: jax.Array, cfg: CompressionConfig
+) -> jax.Array:
+    """Step 4: softmax over the sequence of each key's (R-KV style) redundancy.
+
+    Cosine similarity between keys with the diagonal zeroed; for every key column, the row
+    of largest index among those above the threshold has its entry zeroed; row sums are the
+    logits. "lightning": keys of the same block only, logits / (temperature * BS); "raw":
+    the whole sequence, logits / (temperature * T_valid).
+    """
+    batch, width = block_tables.shape
+    block_size = cfg.block_size
+    keys = k_pool[block_tables].astype(jnp.float32)  # [B, W, BS, Hkv, D]
+    norm = jnp.sqrt((keys * keys).sum(axis=-1, keepdims=True))
+    keys = (keys / jnp.maximum(norm, 1e-6)).transpose(0, 3, 1, 2, 4)  # [B, Hkv, W, BS, D]
+    valid = _valid(num_blocks, width, block_size)  # [B, 1, W, BS]
+    if cfg.redundancy == "lightning":
+        sim = jnp.einsum("bhwmd,bhwnd->bhwmn", keys, keys, precision=lax.Precision.HIGHEST)
+        local = jnp.arange(block_size)
+        logits = _redundancy_row_sums(sim, local[:, None], local[None, :], cfg.redundancy_threshold)
+        logits = logits / (cfg.redundancy_temperature * block_size)
+    else:
+        logits = _raw_row_sums(keys, valid, cfg.redundancy_threshold)
+        length = (num_blocks * block_size).astype(jnp.float32)[:, None, None, None]
+        logits = logits / (cfg.redundancy_temperature * length)
+    return _masked_softmax(logits, valid)
+
+
+def _redundancy_row_sums(sim, rows, cols, threshold, allowed=None):
+    """Row sums of `sim` [..., m, n] after the diagonal and largest-index zeroing."""
+    sim = jnp.where(rows == cols, 0.0, sim)
+    above = sim > threshold
+    if allowed is not None:
+        above = above & allowed
+    rows = jnp.broadcast_to(rows, sim.shape)
+    last = jnp.where(above, rows, -1).max(axis=-2, keepdims=True)  # per column n
+    return jnp.where(rows == last, 0.0, sim).sum(axis=-1)
+
+
+def _raw_row_sums(keys, valid, threshold):
+    """Whole-sequence row sums, one column block at a time: [B, Hkv, W, BS]."""
+    batch, num_kv_heads, width, block_size, head_dim = keys.shape
+    flat = keys.reshape(batch, num_kv_heads, width * block_size, head_dim)
+    flat_valid = valid.reshape(batch, 1, width * block_size)
+    rows = jnp.arange(width * block_size)[:, None]
+
+    def column_block(c):  # [B, Hkv, T] contributions of columns c*BS .. (c+1)*BS-1
+        cols_keys = lax.dynamic_index_in_dim(keys, c, axis=2, keepdims=False)  # [B, Hkv, BS, D]
+        cols_valid = lax.dynamic_index_in_dim(valid, c, axis=2, keepdims=False)  # [B, 1, BS]
+        sim = jnp.einsum("bhmd,bhnd->bhmn", flat, cols_keys, precision=lax.Precision.HIGHEST)
+        pair_valid = flat_valid[..., :, None] & cols_valid[..., None, :]
+        sim = jnp.where(pair_valid, sim, 0.0)
+        cols = c * block_size + jnp.arange(block_size)[None, :]
+        return _redundancy_row_sums(sim, rows, cols, threshold, pair_valid)
+
+    sums = lax.map(column_block, jnp.arange(width)).sum(axis=0)
+    return sums.reshape(batch, num_kv_heads, width, block_size)
+
+
+def _protect_and_mask(scores, valid, num_blocks, cfg: CompressionConfig):
+    """Steps 5-7 before top-k: sinks and the recent window +inf, padding -inf."""
+    width, block_size = scores.shape[-2:]
+    pos = jnp.arange(width * block_size).reshape(width, block_size)
+    protected = pos < cfg.sink_len
+    w = jnp.arange(width)[:, None]
+    newest = w == (num_blocks - 1)[:, None, None, None]
+    recent = newest & (pos % block_size >= block_size - cfg.query_cache_len)
+    scores = jnp.where(protected | recent, jnp.inf, scores)
+    return jnp.where(valid, scores, -jnp.inf)
+
+
+def _streaming_scores(valid, num_kv_heads: int, cfg: CompressionConfig):
+    """StreamingLLM: the first sinks and the most recent tokens (later = higher score)."""
+    batch, _, width, block_size = valid.shape
+    pos = jnp.arange(width * block_size).reshape(width, block_size)
+    sinks = cfg.sink_len or STREAMING_SINKS
+    scores = jnp.where(valid, jnp.where(pos < sinks, jnp.inf, pos.astype(jnp.float32)), -jnp.inf)
+    return jnp.broadcast_to(scores, (batch, num_kv_heads, width, block_size))
+
+
+def top_k_keep(final: jax.Array, valid: jax.Array, k: int) -> jax.Array:
+    """Step 7: the k best tokens of every (seq, head), never padding: [B, Hkv, W, BS] bool."""
+    batch, num_kv_heads, width, block_size = final.shape
+    _, top = lax.top_k(final.reshape(batch, num_kv_heads, -1), k)
+    keep = jnp.zeros((batch, num_kv_heads, width * block_size), jnp.bool_)
+    b = jnp.arange(batch)[:, None, None]
+    h = jnp.arange(num_kv_heads)[None, :, None]
+    keep = keep.at[b, h, top].set(True)
+    return keep.reshape(final.shape) & valid
+
+
+def _valid(num_blocks, width, block_size):  # [B, 1, W, BS]
+    w = jnp.arange(width)[None, :, None]
+    valid = jnp.broadcast_to(w < num_blocks[:, None, None], (num_blocks.shape[0], width, block_size))
+    return valid[:, None]
+
+
+def _max_normed(x):
+    """x / its max over each (seq, head) row; all-zero (padding) rows stay 0."""
+    m = x.max(axis=(-2, -1), keepdims=True)
+    return x / jnp.where(m > 0, m, 1.0)
+
+
+def _masked_softmax(logits, valid):
+    """Softmax over each (seq, head) row's valid tokens; 0 elsewhere (all 0 on padding rows)."""
+    m = jnp.where(valid, logits, -jnp.inf).max(axis=(-2, -1), keepdims=True)
+    e = jnp.where(valid, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    total = e.sum(axis=(-2, -1), keepdims=True)
+    return e / jnp.where(total > 0, total, 1.0)

@@ -1,0 +1,181 @@
+"""Paged KV blocks: ref counts, free list, chained prefix hashes, compression targets."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from zipage_jax.engine.sequence import Sequence
+
+DUMMY_BLOCK = 0  # padding target for block tables and writes; never allocated
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class CompressionPlan:
+    seq: Sequence
+    source_table: list[int]  # blocks read (all full)
+    target_table: list[int]  # M + 1 blocks; the first M receive the kept tokens
+    release: list[int] = field(default_factory=list)  # dropped from the sequence afterwards
+
+
+def chain_hash(token_ids: tuple[int, ...] | list[int], prefix: int | None) -> int:
+    h = xxhash.xxh64()
+    if prefix is not None:
+        h.update(prefix.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 KV blocks (one is the padding block), got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(1, num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.prefix_queries = 0  # prompt blocks looked up
+        self.prefix_hits = 0  # of which found in the cache
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return len(self.blocks) - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    # -- allocation -------------------------------------------------------------------------
+
+    def _take_free(self) -> int:
+        block_id = self.free_block_ids.popleft()
+        block = self.blocks[block_id]
+        assert block.ref_count == 0
+        self._forget_hash(block)
+        block.ref_count = 1
+        return block_id
+
+    def _forget_hash(self, block: Block) -> None:
+        if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids = None, ()
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0
+        if block.ref_count == 0:
+            self.free_block_ids.append(block_id)  # keeps its hash: a later prompt may reuse it
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Admission: share the cached full blocks of the sequence's tokens (at least one token
+        is always left to compute). Returns the number of cached tokens."""
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        prefix = None
+        max_blocks = (len(seq) - 1) // bs
+        self.prefix_queries += max_blocks
+        for i in range(max_blocks):
+            tokens = tuple(seq.block_tokens(i))
+            h = chain_hash(tokens, prefix)
+            block_id = self.hash_to_block_id.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self.free_block_ids.remove(block_id)
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+            prefix = h
+            self.prefix_hits += 1
+        seq.num_hashed_blocks = len(seq.block_table)
+        seq.num_computed_tokens = seq.num_kv_slots = len(seq.block_table) * bs
+        return seq.num_computed_tokens
+
+    def blocks_needed(self, seq: Sequence, num_new_slots: int) -> int:
+        total = -(-(seq.num_kv_slots + num_new_slots) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def allocate_slots(self, seq: Sequence, num_new_slots: int) -> bool:
+        """Grow the block table to hold `num_new_slots` more slots. False if out of blocks."""
+        need = self.blocks_needed(seq, num_new_slots)
+        if need > self.num_free_blocks:
+            return False
+        seq.block_table.extend(self._take_free() for _ in range(need))
+        seq.metrics.kv_blocks_peak = max(seq.metrics.kv_blocks_peak, len(seq.block_table))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Hash the blocks that became full of computed tokens (never after compression)."""
+        if not self.enable_prefix_caching or seq.compressed:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(seq.num_hashed_blocks, full):
+            prefix = self.blocks[seq.block_table[i - 1]].hash if i else None
+            tokens = tuple(seq.block_tokens(i))
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids = chain_hash(tokens, prefix), tokens
+            self.hash_to_block_id[block.hash] = block.block_id
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    # -- compression ------------------------------------------------------------------------
+
+    def plan_compression(self, seq: Sequence) -> CompressionPlan | None:
+        """Targets for compacting a full sequence into M blocks (+1 for the next token).
+
+        Shared blocks (ref count > 1) are never overwritten: fresh blocks replace them and the
+        shared ones are released. Reused own blocks lose their prefix hash. None when there
+        are not enough free blocks for the replacements."""
+        m = seq.budget_blocks
+        assert m is not None and len(seq.block_table) >= m + 1
+        keep = seq.block_table[: m + 1]
+        shared = [i for i, b in enumerate(keep) if self.blocks[b].ref_count > 1]
+        if len(shared) > self.num_free_blocks:
+            return None
+        target = list(keep)
+        release = list(seq.block_table[m + 1:])
+        for i in shared:
+            release.append(keep[i])
+            target[i] = self._take_free()
+        for i, b in enumerate(target):
+            if i not in shared:
+                self._forget_hash(self.blocks[b])
+        return CompressionPlan(seq=seq, source_table=list(seq.block_table), target_table=target, release=release)
+
+    def finish_compression(self, plan: CompressionPlan) -> None:
+        """After the compaction was dispatched: the sequence owns exactly its targets.
+
+        Safe to reuse released blocks at once: every later write is dispatched after the
+        compaction that reads them, and the device runs them in that order."""
+        for block_id in plan.release:
+            self._release(block_id)
+        seq = plan.seq
+        seq.block_table = plan.target_table
+        seq.num_hashed_blocks = 0

@@ -1,0 +1,60 @@
+"""What the engine hands back each step: incremental and cumulative, per completion."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the N most likely tokens, most likely first
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or token id that matched
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        """The `generate` result: the first completion's fields at the top, all of them in
+        `outputs`, and the request's metrics."""
+        first = self.outputs[0]
+        return {
+            "request_id": self.request_id,
+            "prompt": self.prompt,
+            "prompt_token_ids": self.prompt_token_ids,
+            "text": first.text,
+            "token_ids": first.token_ids,
+            "finish_reason": first.finish_reason,
+            "logprobs": None if first.logprobs is None else [asdict(lp) for lp in first.logprobs],
+            "metrics": first.metrics,
+            "outputs": [
+                {"index": o.index, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+                 "stop_reason": o.stop_reason, "metrics": o.metrics,
+                 "logprobs": None if o.logprobs is None else [asdict(lp) for lp in o.logprobs]}
+                for o in self.outputs
+            ],
+        }

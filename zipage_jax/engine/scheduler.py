@@ -1,0 +1,220 @@
+"""Continuous batching: which sequences compute which tokens this step.
+
+FCFS; running sequences first (decodes and prefill chunks), then admission from the waiting
+queue, all under `max_num_batched_tokens`. A sequence at its KV budget is compressed instead
+of growing; compressed sequences are suspended, never preempted. Preemption is by recompute,
+the victim being the most recently admitted sequence that may be preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from zipage_jax.engine.block_manager import BlockManager, CompressionPlan
+from zipage_jax.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class Chunk:
+    """Tokens [start, start + num_tokens) of `seq` get their K/V computed this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk ends at the sequence's last token: its logits give the next token."""
+        return self.start + self.num_tokens == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    compressions: list[CompressionPlan] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def prefills(self) -> list[Chunk]:
+        return [c for c in self.chunks if c.num_tokens > 1]
+
+    @property
+    def decodes(self) -> list[Chunk]:
+        return [c for c in self.chunks if c.num_tokens == 1]
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.compressions or self.chunks)
+
+
+class QuerySlots:
+    """Rows of the query cache; fewer than the sequences that fit (hybrid engine)."""
+
+    def __init__(self, num_slots: int):
+        self.free = deque(range(num_slots))
+        self.num_slots = num_slots
+
+    def acquire(self, seq: Sequence) -> bool:
+        if seq.query_slot is None:
+            if not self.free:
+                return False
+            seq.query_slot = self.free.popleft()
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        if seq.query_slot is not None:
+            self.free.append(seq.query_slot)
+            seq.query_slot = None
+
+    @property
+    def in_use(self) -> int:
+        return self.num_slots - len(self.free)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 num_query_slots: int, max_compress_seqs: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_compress_seqs = max_compress_seqs
+        self.query_slots = QuerySlots(num_query_slots)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_at_budget(self) -> int:
+        return sum(1 for s in self.running if s.budget_blocks is not None
+                   and len(s.block_table) >= s.budget_blocks + 1)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if self._needs_compression(seq):
+                if len(out.compressions) < self.max_compress_seqs:
+                    plan = self.block_manager.plan_compression(seq)
+                    while plan is None and self._preempt_for(seq, out):  # blocks to replace shared ones
+                        plan = self.block_manager.plan_compression(seq)
+                    if plan is not None:
+                        seq.compressing = True
+                        out.compressions.append(plan)
+                continue  # decodes once the compaction has landed (next step)
+            n = self._chunk_size(seq, budget)
+            if n == 0:
+                continue  # waits for a query slot
+            n = self._allocate_or_preempt(seq, n, out)
+            if n == 0:
+                continue
+            out.chunks.append(Chunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            parent = seq.parent
+            if parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens:
+                break  # a sibling of n > 1 shares the prompt blocks once they are cached
+            cached = self.block_manager.match_prefix(seq)
+            n = min(self._chunk_size(seq, budget), self._capacity(seq))
+            if n == 0 or not self.block_manager.allocate_slots(seq, n):
+                self.block_manager.free(seq)
+                self.query_slots.release(seq)
+                seq.num_computed_tokens = seq.num_kv_slots = 0
+                break
+            seq.metrics.num_cached_prompt_tokens = max(seq.metrics.num_cached_prompt_tokens, cached)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(Chunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return out
+
+    def _needs_compression(self, seq: Sequence) -> bool:
+        m = seq.budget_blocks
+        return (m is not None and not seq.in_prefill and len(seq.block_table) >= m + 1
+                and seq.num_kv_slots == len(seq.block_table) * self.block_manager.block_size)
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute now; stops before a query tail when no query slot is free."""
+        n = min(seq.num_uncomputed_tokens, budget)
+        tail = seq.first_query_tail_slot()
+        if tail is not None and tail < seq.num_kv_slots + n and not self.query_slots.acquire(seq):
+            n = max(0, tail - seq.num_kv_slots)
+        return n
+
+    def _capacity(self, seq: Sequence) -> int:
+        """Slots the sequence can still write without preempting anyone."""
+        bs = self.block_manager.block_size
+        return len(seq.block_table) * bs - seq.num_kv_slots + self.block_manager.num_free_blocks * bs
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
+        """Blocks for up to n slots (a prefill chunk shrinks to what fits); preempts when
+        nothing fits. Returns the number of slots granted (0: none this step)."""
+        while (capacity := self._capacity(seq)) == 0:
+            if not self._preempt_for(seq, out):
+                return 0
+        n = min(n, capacity)
+        self.block_manager.allocate_slots(seq, n)  # fits: n <= capacity
+        return n
+
+    def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempts the most recently admitted sequence that may be (perhaps `seq` itself) to free
+        blocks for `seq`. False when `seq` must wait: it was the victim, or only compressed
+        sequences hold memory."""
+        victim = next((s for s in reversed(self.running) if not (s.compressed or s.compressing)), None)
+        if victim is None:
+            return False
+        self.preempt(victim, out)
+        return victim is not seq
+
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        out.chunks = [c for c in out.chunks if c.seq is not seq]
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        self.query_slots.release(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def finish_compressions(self, out: SchedulerOutput) -> int:
+        """The step that compacts them has been dispatched. Returns the number of tokens evicted."""
+        total = 0
+        for plan in out.compressions:
+            seq = plan.seq
+            kept = seq.budget_blocks * self.block_manager.block_size
+            evicted = seq.num_kv_slots - kept
+            self.block_manager.finish_compression(plan)
+            seq.num_kv_slots = kept
+            seq.compressed, seq.compressing = True, False
+            seq.metrics.num_compressions += 1
+            seq.metrics.kv_tokens_evicted += evicted
+            total += evicted
+        return total
+
+    def commit(self, chunk: Chunk) -> None:
+        """The chunk's K/V are in the pool."""
+        seq = chunk.seq
+        seq.num_computed_tokens += chunk.num_tokens
+        seq.num_kv_slots += chunk.num_tokens
+        self.block_manager.commit_full_blocks(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Finished or aborted: free its blocks and query slot."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        self.query_slots.release(seq)
+        seq.status = SequenceStatus.FINISHED

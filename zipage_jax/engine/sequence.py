@@ -1,0 +1,110 @@
+"""One generated sequence as the host sees it: its tokens, its blocks, its budget."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass
+class SequenceMetrics:
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    num_compressions: int = 0
+    kv_blocks_peak: int = 0
+    kv_tokens_evicted: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids plus KV bookkeeping.
+
+    Logical length (`num_computed_tokens`: tokens whose K/V were computed, i.e. RoPE positions
+    0..n-1) and physical length (`num_kv_slots`: pool slots used in `block_table`) differ once
+    a sequence has been compressed.
+    """
+
+    token_ids: list[int]
+    block_size: int
+    budget_blocks: int | None = None  # M; None = full KV
+    params: object = None  # SamplingParams
+    request_id: str = ""
+    index: int = 0  # which of the request's n completions
+    parent: "Sequence | None" = None  # waits until the parent's prompt is in the prefix cache
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    num_kv_slots: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    compressed: bool = False
+    compressing: bool = False
+    query_slot: int | None = None
+    seed: int = 0
+    query_cache_len: int = 16
+    metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the last token still needs its K/V computed."""
+        return self.num_computed_tokens < len(self.token_ids) - 1
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def block_tokens(self, i: int) -> list[int]:
+        """Token ids of logical block i (only meaningful before compression)."""
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def first_query_tail_slot(self) -> int | None:
+        """First physical slot >= num_kv_slots whose query must be cached: the last
+        `query_cache_len` slots of a block that is compressed when it fills (index >= M)."""
+        if self.budget_blocks is None:
+            return None
+        bs = self.block_size
+        start = max(self.num_kv_slots, self.budget_blocks * bs)
+        tail_start = (start // bs) * bs + bs - self.query_cache_len
+        return max(start, tail_start)
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: forget all KV, keep the tokens generated so far."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_kv_slots = 0
+        self.block_table = []
+        self.num_hashed_blocks = 0
+        self.compressed = False
+        self.compressing = False
+        self.metrics.num_preemptions += 1

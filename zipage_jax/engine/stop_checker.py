@@ -1,0 +1,105 @@
+"""Per output sequence, on the host: incremental detokenisation and the stop conditions.
+
+Detokenisation follows vLLM: each step decodes only a short window of tokens, from
+`prefix_offset` (a few tokens of context, so a leading space or a byte-level merge comes out
+as in a full decode) to the end, and emits the part past `read_offset`; text that ends in an
+unfinished UTF-8 character ("\\ufffd") waits for the next token.
+
+Stops (vLLM semantics): the first `min_tokens` tokens never stop the sequence; then EOS
+(unless ignore_eos) or one of stop_token_ids finishes it with "stop" (its text is dropped
+unless include_stop_str_in_output); a stop string found in the text finishes it with "stop",
+the text cut before the string (after it with include_stop_str_in_output); max_tokens
+finishes it with "length". A stop string wins over the other reasons on the same token.
+Deltas hold back any tail of the text that could still become a stop string, so streamed
+text never has to be taken back; the concatenated deltas equal `.text` once finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from zipage_jax.sampling_params import SamplingParams
+
+_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM's offset)
+
+
+class StopChecker:
+    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: Iterable[int],
+                 prompt_token_ids: Sequence[int]):
+        self.tokenizer = tokenizer
+        self.params = params
+        self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.token_ids: list[int] = []  # output tokens, stop tokens included
+        self.text = ""  # output text so far: cut at a stop string once finished
+        self.finish_reason: str | None = None  # "stop" or "length"
+        self.stop_reason: str | int | None = None  # the stop string or stop token id; None for EOS / length
+        self._tokens = self._to_tokens(prompt_token_ids[-_CONTEXT_TOKENS - 2:])  # tokenizer pieces
+        self._read_offset = len(self._tokens)
+        self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
+        self._emitted = 0  # characters of .text already returned as deltas
+
+    def append(self, token_id: int) -> tuple[str, str | None]:
+        """Adds one sampled token; returns (new text safe to stream, finish reason or None)."""
+        if self.finish_reason is not None:
+            raise RuntimeError(f"sequence already finished ({self.finish_reason}); cannot append token {token_id}")
+        params = self.params
+        self.token_ids.append(token_id)
+        may_stop = len(self.token_ids) > params.min_tokens
+        is_eos = may_stop and token_id in self.eos_token_ids
+        is_stop_token = is_eos or (may_stop and token_id in self.stop_token_ids)
+        ends = is_stop_token or len(self.token_ids) >= params.max_tokens
+        if not is_stop_token or params.include_stop_str_in_output:
+            self._tokens.extend(self._to_tokens([token_id]))
+        checked = len(self.text)
+        self.text += self._decode(flush=ends)
+        if not (may_stop and self._match_stop_string(checked)):
+            if is_stop_token:
+                self._finish("stop", None if is_eos else token_id)
+            elif ends:
+                self._finish("length", None)
+        end = len(self.text) if self.finish_reason else len(self.text) - self._held_back()
+        delta, self._emitted = self.text[self._emitted:end], max(end, self._emitted)
+        return delta, self.finish_reason
+
+    def _to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens(list(ids), skip_special_tokens=self.params.skip_special_tokens)
+
+    def _decode(self, flush: bool) -> str:
+        # the new text of the pieces past read_offset; flush: even if it ends in a partial character
+        window = self._tokens[self._prefix_offset:]
+        prefix = self.tokenizer.convert_tokens_to_string(window[: self._read_offset - self._prefix_offset])
+        text = self.tokenizer.convert_tokens_to_string(window)
+        if len(text) <= len(prefix) or (text.endswith("\ufffd") and not flush):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        return text[len(prefix):]
+
+    def _match_stop_string(self, checked: int) -> bool:
+        # only matches that end in the text added since `checked` are new
+        best = None
+        for stop in self.params.stop:
+            at = self.text.find(stop, max(checked - len(stop) + 1, 0))
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return False
+        at, stop = best
+        self.text = self.text[: at + len(stop) if self.params.include_stop_str_in_output else at]
+        self._finish("stop", stop)
+        return True
+
+    def _held_back(self) -> int:
+        # length of the longest tail of .text that begins a stop string and may still complete it
+        if self.params.include_stop_str_in_output:
+            return 0
+        longest = 0
+        for stop in self.params.stop:
+            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _finish(self, reason: str, stop_reason: str | int | None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason

@@ -1,0 +1,55 @@
+"""The engine's attention: write new K/V (and cached queries) into the pool, then attend
+over each sequence's pages. Decode uses the paged decode kernel (Pallas on GPU, XLA on CPU);
+prefill chunks attend over cached prefix blocks plus the chunk itself."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_xla
+from pallas_kernels.prefill_attention import paged_prefill_attention
+from zipage_jax.engine.kv_state import KVState
+
+
+class StepInputs(NamedTuple):
+    tokens: jax.Array  # [B, C] int32
+    positions: jax.Array  # [B, C] int32, logical positions (RoPE)
+    slots: jax.Array  # [B, C] int32, flat pool slot block * BS + offset (padding: dummy block 0)
+    query_index: jax.Array  # [B, C] int32, flat query-cache row slot * QL + i (else the padding row)
+    block_tables: jax.Array  # [B, W] int32, padded with the dummy block 0
+    kv_lens: jax.Array  # [B, C] int32, pool slots visible to each token (0 for padding)
+    last_index: jax.Array  # [B] int32, index in C of the token whose logits are sampled
+
+
+def paged_attention_fn(inputs: StepInputs, backend: str):
+    """An `attn_fn(layer, q, k, v, kv_state)` for the decoder; backend: xla | pallas | pallas-interpret."""
+
+    def attn(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, state: KVState):
+        # q: [B, C, Hq, D]; k, v: [B, C, Hkv, D]
+        k_pool = _scatter_rows(state.k[layer], inputs.slots, k)
+        v_pool = _scatter_rows(state.v[layer], inputs.slots, v)
+        queries = _scatter_rows(state.queries[layer], inputs.query_index, q)
+        state = state.replace_layer(layer, k=k_pool, v=v_pool, queries=queries)
+        if q.shape[1] == 1:
+            args = (q[:, 0], k_pool, v_pool, inputs.block_tables, inputs.kv_lens[:, 0])
+            if backend == "xla":
+                out = paged_decode_attention_xla(*args)
+            else:
+                out = paged_decode_attention(*args, interpret=backend == "pallas-interpret")
+            out = out[:, None]
+        else:
+            out = paged_prefill_attention(q, k_pool, v_pool, inputs.block_tables, inputs.kv_lens)
+        return out, state
+
+    return attn
+
+
+def _scatter_rows(cache: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
+    """cache: [N0, N1, ...rest]; index: [B, C] flat into N0*N1; rows: [B, C, ...rest]."""
+    shape = cache.shape
+    flat = cache.reshape((shape[0] * shape[1],) + shape[2:])
+    flat = flat.at[index.reshape(-1)].set(rows.reshape((-1,) + shape[2:]).astype(cache.dtype))
+    return flat.reshape(shape)

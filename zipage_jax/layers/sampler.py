@@ -1,0 +1,319 @@
+"""Batched next-token sampling with per-request parameters.
+
+Order per row (HF / vLLM): ban the row's suppress_ids (EOS and stop ids under min_tokens); repetition
+penalty (prompt + output tokens), frequency and presence penalties (output tokens); then a
+greedy row takes the argmax and a random row divides by its temperature, keeps the tokens
+that pass top-k, top-p (over the top-k survivors) and min-p, and draws one of them by
+inverse CDF with a single uniform from fold_in(key(seed), step): a seeded request draws the
+same tokens whatever batch it is in. Log-probabilities come from the raw logits.
+
+Filters work on unnormalised probabilities p = exp(x - max x), so the kept set is
+{p >= max(t_top_k, t_top_p, min_p)} (ties at a threshold are all kept). The top-k and top-p
+thresholds are read from the `_CANDIDATES` largest p of each row; only when a row's
+threshold lies deeper does the batch run an exact bisection over float32 bits, never a sort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from zipage_jax.sampling_params import SamplingParams
+
+_LANE = 128  # the vocabulary is padded to a multiple; argmax and draws go block then lane
+_GROUP = 16  # candidate groups of _largest
+_CANDIDATES = 64  # largest p per row read for top-k / top-p before falling back to bisection
+_ONE_BITS = 0x3F800000  # float32 1.0: thresholds are bisected over the bits of [0, 1]
+_BISECT_STEPS = 30  # ceil(log2(_ONE_BITS + 1))
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One sequence's sampling inputs for this step, as the engine knows them on the host."""
+
+    params: SamplingParams
+    seed: int  # params.seed, or a seed the engine drew once for this request (reduced mod 2**32)
+    step: int = 0  # output tokens generated so far
+    token_ids: Sequence[int] = ()  # prompt + output so far; read only when the row has a penalty
+    num_prompt_tokens: int = 0
+    suppress_ids: Sequence[int] = ()  # ids banned this step: EOS and stop ids while min_tokens is active
+
+
+@dataclass(frozen=True)
+class SamplerFlags:
+    """What the batch needs, chosen on the host: a static argument of `sample`."""
+
+    any_random: bool = False  # some row has temperature > 0 (else: argmax)
+    any_top_k_p: bool = False  # some random row uses top-k or top-p
+    any_penalty: bool = False  # some row has a repetition, presence or frequency penalty
+    any_suppress: bool = False  # some row bans token ids (min_tokens)
+    num_logprobs: int = 0  # top-N log-probabilities returned per row
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class SamplingBatch:
+    temperature: jax.Array  # [B] f32, 0 = greedy
+    top_k: jax.Array  # [B] i32, 0 = off
+    top_p: jax.Array  # [B] f32
+    min_p: jax.Array  # [B] f32
+    repetition_penalty: jax.Array  # [B] f32
+    presence_penalty: jax.Array  # [B] f32
+    frequency_penalty: jax.Array  # [B] f32
+    seed: jax.Array  # [B] u32
+    step: jax.Array  # [B] i32
+    suppress_ids: jax.Array  # [B, S] i32 token ids banned this step, -1 = padding
+    history: jax.Array  # [B, Lh] i32 penalised tokens (prompt first), -1 = padding
+    num_prompt: jax.Array  # [B] i32 leading history entries that are prompt tokens
+
+    @classmethod
+    def build(cls, rows: Sequence[SamplingRow], batch_size: int) -> tuple["SamplingBatch", SamplerFlags]:
+        """Host arrays for `rows`, padded to `batch_size` with greedy rows, and the flags they need."""
+        if not 0 < len(rows) <= batch_size:
+            raise ValueError(f"need 1..batch_size={batch_size} rows, got {len(rows)}")
+        b = batch_size
+        temperature = np.zeros(b, np.float32)
+        top_k = np.zeros(b, np.int32)
+        top_p = np.ones(b, np.float32)
+        min_p = np.zeros(b, np.float32)
+        penalties = np.zeros((3, b), np.float32)
+        penalties[0] = 1.0
+        seed = np.zeros(b, np.uint32)
+        step = np.zeros(b, np.int32)
+        num_prompt = np.zeros(b, np.int32)
+        suppress: list[Sequence[int]] = [() for _ in range(b)]
+        history: list[Sequence[int]] = [() for _ in range(b)]
+        any_top_k_p = False
+        for i, row in enumerate(rows):
+            sp = row.params
+            if not sp.greedy:
+                temperature[i], min_p[i] = sp.temperature, sp.min_p
+                top_k[i] = max(sp.top_k, 0)
+                top_p[i] = sp.top_p
+                any_top_k_p |= top_k[i] > 0 or sp.top_p < 1
+            penalties[:, i] = sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty
+            seed[i] = row.seed % 2**32
+            step[i] = row.step
+            suppress[i] = row.suppress_ids
+            if sp.repetition_penalty != 1:
+                history[i], num_prompt[i] = row.token_ids, row.num_prompt_tokens
+            elif sp.presence_penalty or sp.frequency_penalty:
+                history[i] = row.token_ids[row.num_prompt_tokens :]
+        batch = cls(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=penalties[0],
+            presence_penalty=penalties[1],
+            frequency_penalty=penalties[2],
+            seed=seed,
+            step=step,
+            suppress_ids=_padded(suppress),
+            history=_padded(history),
+            num_prompt=num_prompt,
+        )
+        flags = SamplerFlags(
+            any_random=bool(temperature.any()),
+            any_top_k_p=bool(any_top_k_p),
+            any_penalty=batch.history.shape[1] > 0,
+            any_suppress=batch.suppress_ids.shape[1] > 0,
+            num_logprobs=_logprobs_bucket(max(row.params.logprobs or 0 for row in rows)),
+        )
+        return batch, flags
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: jax.Array  # [B] i32
+    logprobs: jax.Array  # [B] f32 log_softmax(logits) of the chosen token
+    top_ids: jax.Array  # [B, N] i32, most likely first
+    top_logprobs: jax.Array  # [B, N] f32
+
+
+@partial(jax.jit, static_argnames=("flags",))
+def sample(logits: jax.Array, batch: SamplingBatch, flags: SamplerFlags) -> SamplerOutput:
+    """logits: [B, V] -> one token per row (see the module docstring)."""
+    if logits.ndim != 2 or logits.shape[0] != batch.temperature.shape[0]:
+        raise ValueError(f"logits must be [B={batch.temperature.shape[0]}, V], got {logits.shape}")
+    vocab = logits.shape[-1]
+    raw = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, -vocab % _LANE)), constant_values=-jnp.inf)  # [B, Vp]
+    x = raw
+    if flags.any_suppress:
+        x = _suppress(x, batch.suppress_ids)
+    if flags.any_penalty:
+        x = _penalise(x, batch)
+    token_ids = _sample_random(x, batch, flags.any_top_k_p) if flags.any_random else _argmax(x)
+    lse = jax.nn.logsumexp(raw, axis=-1)  # [B]
+    logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - lse
+    top_values, top_ids = _largest(raw, flags.num_logprobs)
+    return SamplerOutput(token_ids, logprobs, top_ids, top_values - lse[:, None])
+
+
+def _suppress(x: jax.Array, suppress_ids: jax.Array) -> jax.Array:
+    # x: [B, Vp], suppress_ids: [B, S]; padding entries take min(x, +inf), a no-op
+    rows = lax.broadcasted_iota(jnp.int32, suppress_ids.shape, 0)
+    fill = jnp.where(suppress_ids >= 0, -jnp.inf, jnp.inf)
+    return x.at[rows, jnp.maximum(suppress_ids, 0)].min(fill)
+
+
+def _penalise(x: jax.Array, batch: SamplingBatch) -> jax.Array:
+    # x: [B, Vp], history: [B, Lh]
+    history = batch.history
+    rows = lax.broadcasted_iota(jnp.int32, history.shape, 0)
+    ids = jnp.maximum(history, 0)
+    valid = history >= 0
+    is_output = valid & (lax.broadcasted_iota(jnp.int32, history.shape, 1) >= batch.num_prompt[:, None])
+    seen = jnp.zeros(x.shape, jnp.bool_).at[rows, ids].max(valid)  # [B, Vp]
+    counts = jnp.zeros(x.shape, jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))  # [B, Vp]
+    rep = batch.repetition_penalty[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    return x - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
+
+
+def _argmax(x: jax.Array) -> jax.Array:
+    """First index of each row's maximum, found block by block (XLA's argmax is slow on CPU)."""
+    # x: [B, Vp]
+    blocks = _materialise(x).reshape(x.shape[0], -1, _LANE)  # [B, nb, L]
+    j = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)  # [B] first block holding the maximum
+    i = jnp.argmax(jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0], axis=-1)
+    return (j * _LANE + i).astype(jnp.int32)
+
+
+def _sample_random(x: jax.Array, batch: SamplingBatch, any_top_k_p: bool) -> jax.Array:
+    # x: [B, Vp] penalised logits
+    greedy = batch.temperature == 0  # [B]
+    scaled = x / jnp.where(greedy, 1.0, batch.temperature)[:, None]
+    top = jnp.max(scaled, axis=-1, keepdims=True)  # [B, 1]
+    p = _materialise(jnp.exp(scaled - top))  # [B, Vp] unnormalised probabilities, max 1
+    threshold = batch.min_p
+    if any_top_k_p:
+        threshold = jnp.maximum(threshold, _top_k_p_threshold(p, batch.top_k, batch.top_p))
+    keep = jnp.where(greedy[:, None], scaled == top, p >= threshold[:, None])
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(batch.seed, batch.step)
+    u = jnp.where(greedy, 0.0, jax.vmap(jax.random.uniform)(keys))  # [B] in [0, 1)
+    return _draw(jnp.where(keep, p, 0.0), u)
+
+
+def _draw(weight: jax.Array, u: jax.Array) -> jax.Array:
+    """Inverse CDF, block then lane: index i with probability weight_i / sum(weight).
+
+    u = 0 gives the first positive weight (a greedy row's argmax).
+    """
+    # weight: [B, Vp] >= 0; u: [B] in [0, 1)
+    blocks = _materialise(weight).reshape(weight.shape[0], -1, _LANE)  # [B, nb, L]
+    block_mass = jnp.sum(blocks, axis=-1)  # [B, nb]
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    target = u * block_cdf[:, -1]  # [B]
+    j = _first_above(block_cdf, block_mass, target)
+    lanes = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [B, L]
+    before = _at(block_cdf, j) - _at(block_mass, j)
+    i = _first_above(jnp.cumsum(lanes, axis=-1), lanes, target - before)
+    return (j * _LANE + i).astype(jnp.int32)
+
+
+def _first_above(cdf: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:
+    # cdf, weight: [B, N], target: [B] -> first index with cdf > target, never past the last positive weight
+    iota = lax.broadcasted_iota(jnp.int32, cdf.shape, 1)
+    last = jnp.max(jnp.where(weight > 0, iota, 0), axis=-1)
+    return jnp.minimum(jnp.sum(cdf <= target[:, None], axis=-1), last)
+
+
+def _top_k_p_threshold(p: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Per row, the smallest p kept by top-k then top-p (0 where both are off)."""
+    # p: [B, Vp] in [0, 1]; top_k, top_p: [B]
+    vocab = p.shape[-1]
+    p = _materialise(p)
+    k_on = (top_k > 0) & (top_k < vocab)
+    p_on = top_p < 1
+    num = min(_CANDIDATES, vocab)
+    vals, _ = _largest(p, num)  # [B, K] descending
+    in_k = lax.broadcasted_iota(jnp.int32, vals.shape, 1) < jnp.where(k_on, top_k, num)[:, None]
+    cum = jnp.cumsum(jnp.where(in_k, vals, 0.0), axis=-1)  # [B, K]
+    before = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))  # [B, K] mass of the larger candidates
+    k_fits = k_on & (top_k <= num)
+    mass = jnp.where(k_fits, cum[:, -1], jnp.sum(p, axis=-1))  # top-p renormalises over top-k survivors
+    target = top_p * mass
+    kept = jnp.sum(in_k & (before < target[:, None]), axis=-1)  # tokens in the nucleus
+    t_k = jnp.where(k_fits, _at(vals, top_k - 1), 0.0)
+    t_p = jnp.where(p_on, _at(vals, kept - 1), 0.0)
+    fits = (~k_on | k_fits) & (~p_on | (cum[:, -1] >= target))
+    fast = jnp.maximum(t_k, t_p)
+
+    def exact() -> jax.Array:
+        t_k = jnp.where(k_on, _largest_threshold(p, jnp.ones_like(p), top_k.astype(jnp.float32)), 0.0)
+        top_k_p = jnp.where(p >= t_k[:, None], p, 0.0)
+        t_p = jnp.where(p_on, _largest_threshold(p, top_k_p, top_p * jnp.sum(top_k_p, axis=-1)), 0.0)
+        return jnp.where(fits, fast, jnp.maximum(t_k, t_p))
+
+    return lax.cond(jnp.all(fits), lambda: fast, exact)
+
+
+def _largest_threshold(p: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:
+    """Per row, the largest t in [0, 1] with sum(weight[p >= t]) >= target (requires target <= sum(weight))."""
+    # p, weight: [B, Vp]; target: [B]
+
+    def halve(_, bounds):
+        lo, hi = bounds  # [B] i32 float bits; lo always satisfies the condition
+        mid = lo + (hi - lo + 1) // 2
+        t = lax.bitcast_convert_type(mid, jnp.float32)[:, None]
+        ok = jnp.sum(jnp.where(p >= t, weight, 0.0), axis=-1) >= target
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo = jnp.zeros(target.shape, jnp.int32)
+    lo, _ = lax.fori_loop(0, _BISECT_STEPS, halve, (lo, jnp.full(target.shape, _ONE_BITS, jnp.int32)))
+    return lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def _largest(x: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
+    """The num largest entries of each row and their indices, descending.
+
+    lax.top_k over the whole row is slow on CPU; the num largest all lie in the num groups
+    of _GROUP with the largest maxima, so top_k runs over group maxima, then those groups.
+    """
+    # x: [B, Vp]
+    b, vocab = x.shape
+    x = _materialise(x)
+    if num == 0:
+        return jnp.zeros((b, 0), x.dtype), jnp.zeros((b, 0), jnp.int32)
+    if vocab < 4 * _GROUP * num:
+        values, ids = lax.top_k(x, num)
+        return values, ids.astype(jnp.int32)
+    groups = x.reshape(b, -1, _GROUP)  # [B, G, g]
+    _, best = lax.top_k(jnp.max(groups, axis=-1), num)  # [B, num]
+    candidates = jnp.take_along_axis(groups, best[:, :, None], axis=1).reshape(b, -1)  # [B, num * g]
+    candidate_ids = (best[:, :, None] * _GROUP + jnp.arange(_GROUP)).reshape(b, -1)
+    values, pos = lax.top_k(candidates, num)
+    return values, jnp.take_along_axis(candidate_ids, pos, axis=-1).astype(jnp.int32)
+
+
+def _materialise(x: jax.Array) -> jax.Array:
+    # XLA on CPU otherwise fuses the producer (exp, penalties) into every consumer and recomputes it
+    return lax.optimization_barrier(x)
+
+
+def _at(x: jax.Array, index: jax.Array) -> jax.Array:
+    # x: [B, K], index: [B] -> [B], clipped into range
+    return jnp.take_along_axis(x, jnp.clip(index, 0, x.shape[-1] - 1)[:, None], axis=-1)[:, 0]
+
+
+def _padded(lists: Sequence[Sequence[int]]) -> np.ndarray:
+    width = max(len(ids) for ids in lists)
+    out = np.full((len(lists), _bucket(width) if width else 0), -1, np.int32)
+    for i, ids in enumerate(lists):
+        out[i, : len(ids)] = ids
+    return out
+
+
+def _bucket(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _logprobs_bucket(n: int) -> int:
+    return min(_bucket(n), 20) if n else 0

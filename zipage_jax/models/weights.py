@@ -1,0 +1,71 @@
+"""Build a Decoder from named arrays (ours or transformers'), and flatten it back."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from zipage_jax.models.config import ModelConfig
+from zipage_jax.models.decoder import Decoder
+
+
+def param_key(path: tuple) -> str:
+    """("layers", 3, "self_attn", "q_proj", "kernel") -> "layers.3.self_attn.q_proj.kernel"."""
+    return ".".join(str(p) for p in path)
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract(cfg: ModelConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The decoder's graph and parameter shapes."""
+    return nnx.split(Decoder(cfg, dtype=dtype, rngs=None))
+
+
+def param_shapes(cfg: ModelConfig, dtype: jnp.dtype) -> dict[str, jax.ShapeDtypeStruct]:
+    """param_key -> shape and dtype, placed on the default device."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return {
+        param_key(path): jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=device)
+        for path, var in nnx.to_flat_state(_abstract(cfg, dtype)[1])
+    }
+
+
+def decoder_from_flat(cfg: ModelConfig, dtype: jnp.dtype, flat: Mapping[str, np.ndarray]) -> Decoder:
+    """flat: param_key -> array of exactly the decoder's parameter shapes (cast to `dtype`)."""
+    graphdef, state = _abstract(cfg, dtype)
+    expected = {param_key(path): (path, var) for path, var in nnx.to_flat_state(state)}
+    missing = sorted(set(expected) - set(flat))
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {', '.join(missing[:8])}")
+    unexpected = sorted(set(flat) - set(expected))
+    if unexpected:
+        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:8])}")
+    leaves = []
+    for key, (path, var) in expected.items():
+        value = flat[key]
+        if tuple(value.shape) != tuple(var.shape):
+            raise ValueError(f"parameter {key} has shape {tuple(value.shape)}, expected {tuple(var.shape)}")
+        leaves.append((path, var.replace(jnp.asarray(value, dtype=var.dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def flat_params(model: Decoder) -> dict[str, jax.Array]:
+    """The inverse of decoder_from_flat."""
+    return {param_key(path): var[...] for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def decoder_from_hf(cfg: ModelConfig, dtype: jnp.dtype, tensors: Mapping[str, np.ndarray]) -> Decoder:
+    """tensors: transformers names ("model.layers.0.self_attn.q_proj.weight", ...) -> arrays."""
+    flat = {}
+    for name, value in tensors.items():
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        key = name.removeprefix("model.")
+        if key.endswith("_proj.weight"):  # torch Linear [out, in] -> our kernel [in, out]
+            key, value = key.removesuffix("weight") + "kernel", np.asarray(value).T
+        flat[key] = value
+    return decoder_from_flat(cfg, dtype, flat)

@@ -1,0 +1,101 @@
+"""Per-request sampling options, with vLLM's names and defaults, validated at construction."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # prompt + output tokens
+    presence_penalty: float = 0.0  # output tokens only
+    frequency_penalty: float = 0.0  # output tokens only
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None  # normalised to a tuple
+    stop_token_ids: Sequence[int] | None = None  # normalised to a tuple
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    max_tokens: int = 16
+    logprobs: int | None = None  # top-N log-probabilities per token (0: only the chosen one)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    kv_budget: int | None = None  # KV tokens kept: None = engine default, 0 = full KV
+
+    def __post_init__(self) -> None:
+        _integer("n", self.n, low=1)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            object.__setattr__(self, name, _real(name, getattr(self, name)))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _integer("top_k", self.top_k, low=-1)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.seed is not None:
+            _integer("seed", self.seed)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _integer("max_tokens", self.max_tokens, low=1)
+        _integer("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.kv_budget is not None:
+            _integer("kv_budget", self.kv_budget, low=0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def _integer(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def _real(name: str, value: object) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    strings = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    if not all(strings):
+        raise ValueError(f"stop must not contain an empty string, got {stop!r}")
+    return tuple(strings)
+
+
+def _token_ids(ids: object) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
+    return tuple(ids)

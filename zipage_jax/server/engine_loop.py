@@ -1,0 +1,189 @@
+"""EngineLoop: the one thread that owns the (not thread-safe) engine.
+
+The event loop sends commands (add, abort) through a queue that the engine thread drains
+between steps; outputs go back to per-request asyncio queues via call_soon_threadsafe. A
+failing step fails the requests in flight and the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from zipage_jax.engine.llm_engine import EngineStats, LLMEngine
+from zipage_jax.engine.outputs import RequestOutput
+from zipage_jax.sampling_params import SamplingParams
+
+logger = logging.getLogger("zipage_jax.server")
+
+_FAILURE_BACKOFF_S = 0.05  # after a failed step, so a persistently broken engine does not spin
+
+
+class RequestFailed(Exception):
+    """Delivered to a request's queue when the engine failed while running it."""
+
+
+class OutputObserver(Protocol):
+    def observe(self, output: RequestOutput, now: float) -> None: ...
+
+    def discard(self, request_id: str) -> None: ...
+
+
+@dataclass
+class _Add:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    sink: asyncio.Queue
+    done: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    def __init__(self, factory: Callable[[], LLMEngine], observer: OutputObserver | None = None,
+                 on_load_error: Callable[[BaseException], None] | None = None):
+        self._factory = factory
+        self._observer = observer
+        self._on_load_error = on_load_error
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, asyncio.Queue] = {}  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.engine: LLMEngine | None = None
+        self.tokenizer: Any = None  # a copy of the engine's, for the event loop's exclusive use
+        self.load_error: BaseException | None = None
+        self.ready = threading.Event()
+        self.stats: EngineStats | None = None  # a snapshot taken by the engine thread
+
+    # -- event-loop side ---------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="zipage-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread is not None:
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+
+    async def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                  sink: asyncio.Queue) -> None:
+        """Adds a request whose outputs (RequestOutput, or a final RequestFailed) go to `sink`.
+        Raises the engine's ValueError for bad input."""
+        done = concurrent.futures.Future()
+        self._commands.put(_Add(prompt_token_ids, params, request_id, sink, done))
+        await asyncio.wrap_future(done)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # -- engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+            self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+        except BaseException as exc:
+            logger.exception("loading the model failed")
+            self.load_error = exc
+            if self._on_load_error is not None:
+                self._on_load_error(exc)
+            return
+        self._snapshot()
+        self.ready.set()
+        while self._run_commands(block=not self.engine.has_unfinished_requests()):
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._snapshot()
+
+    def _run_commands(self, block: bool) -> bool:
+        """Runs the queued commands (waiting for one if `block`); False once told to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+            while True:
+                if command is _STOP:
+                    return False
+                if isinstance(command, _Add):
+                    self._add(command)
+                else:
+                    self._abort(command.request_id)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.prompt_token_ids, command.params, command.request_id)
+        except Exception as exc:  # ValueError: bad input (400); anything else fails this request only
+            if not isinstance(exc, ValueError):
+                logger.exception("add_request %s failed", command.request_id)
+            command.done.set_exception(exc)
+            return
+        self._sinks[command.request_id] = command.sink
+        command.done.set_result(None)
+
+    def _abort(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+        if self._observer is not None:
+            self._observer.discard(request_id)
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            logger.exception("abort %s failed", request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the %d requests in flight", len(self._sinks))
+            self._fail_all(RequestFailed(f"engine step failed: {type(exc).__name__}: {exc}"))
+            time.sleep(_FAILURE_BACKOFF_S)
+            return
+        now = time.monotonic()
+        deliveries = []
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            if self._observer is not None:
+                self._observer.observe(out, now)
+            deliveries.append((sink, out))
+        if deliveries:
+            self._loop.call_soon_threadsafe(_deliver, deliveries)
+
+    def _fail_all(self, error: RequestFailed) -> None:
+        failed = list(self._sinks.items())
+        for request_id, _ in failed:
+            self._abort(request_id)
+        if failed:
+            self._loop.call_soon_threadsafe(_deliver, [(sink, error) for _, sink in failed])
+
+    def _snapshot(self) -> None:
+        try:
+            self.stats = dataclasses.replace(self.engine.get_stats())
+        except Exception:
+            logger.exception("get_stats failed")
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for sink, item in items:
+        sink.put_nowait(item)

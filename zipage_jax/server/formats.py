@@ -1,0 +1,100 @@
+"""OpenAI response bodies and stream chunks for /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from zipage_jax.engine.outputs import TokenLogprob
+
+
+class ResponseFormat:
+    """What the two endpoints share: ids, envelopes, usage; subclasses shape a choice."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+
+    def __init__(self, model: str, tokenizer: Any):
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self._tokenizer = tokenizer
+
+    def response(self, choices: list[dict], usage: dict) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+    def chunk(self, choices: list[dict], usage: dict | None = None, include_usage: bool = False) -> dict:
+        body = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": choices}
+        if include_usage:  # OpenAI: every chunk carries "usage", null except in the last one
+            body["usage"] = usage
+        return body
+
+    def opening_choices(self, num_choices: int) -> list[dict]:
+        """Choices sent before any token (chat announces the assistant role)."""
+        return []
+
+    def choice(self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+               stop_reason: str | int | None, text_offset: int, streaming: bool) -> dict:
+        raise NotImplementedError
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class CompletionFormat(ResponseFormat):
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def choice(self, index, text, logprobs, finish_reason, stop_reason, text_offset, streaming):
+        return {"index": index, "text": text,
+                "logprobs": None if logprobs is None else self._logprobs(logprobs, text_offset),
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+    def _logprobs(self, logprobs: list[TokenLogprob], text_offset: int) -> dict:
+        tokens, offsets = [], []
+        for lp in logprobs:
+            tokens.append(self.token_text(lp.token_id))
+            offsets.append(text_offset)
+            text_offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{self.token_text(t): _finite(v) for t, v in lp.top} or None for lp in logprobs],
+                "text_offset": offsets}
+
+
+class ChatFormat(ResponseFormat):
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def opening_choices(self, num_choices: int) -> list[dict]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(num_choices)]
+
+    def choice(self, index, text, logprobs, finish_reason, stop_reason, text_offset, streaming):
+        body = {"index": index}
+        if streaming:
+            body["delta"] = {"content": text} if text else {}
+        else:
+            body["message"] = {"role": "assistant", "content": text}
+        body.update(logprobs=None if logprobs is None else {"content": [self._entry(lp) for lp in logprobs]},
+                    finish_reason=finish_reason, stop_reason=stop_reason)
+        return body
+
+    def _entry(self, lp: TokenLogprob) -> dict:
+        entry = self._token(lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [self._token(t, v) for t, v in lp.top]
+        return entry
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # as vLLM: JSON has no -inf

@@ -1,0 +1,139 @@
+"""One HTTP request's generation: an engine request per prompt, answered whole or as SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from zipage_jax.engine.outputs import RequestOutput
+from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
+from zipage_jax.server.errors import error_body
+from zipage_jax.server.formats import ResponseFormat, usage
+
+
+class Generation:
+    """Choice p * n + i is completion i of prompt p (OpenAI's order)."""
+
+    def __init__(self, engine_loop: EngineLoop, prompts: list[list[int]], params: SamplingParams,
+                 fmt: ResponseFormat):
+        self.prompts, self.params, self.fmt = prompts, params, fmt
+        self._engine_loop = engine_loop
+        self._prompt_index = {f"{fmt.id}-{p}": p for p in range(len(prompts))}
+        self._unfinished: set[str] = set()
+        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._latest: dict[int, RequestOutput] = {}
+
+    async def start(self) -> None:
+        """Adds every prompt; on an error (the engine's ValueError for bad input) aborts them all."""
+        try:
+            for request_id, prompt in zip(self._prompt_index, self.prompts):
+                self._unfinished.add(request_id)
+                await self._engine_loop.add(prompt, self.params, request_id, self._outputs)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Aborts what has not finished (idempotent; the engine frees its blocks)."""
+        for request_id in self._unfinished:
+            self._engine_loop.abort(request_id)
+        self._unfinished.clear()
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as the engine advances; raises RequestFailed."""
+        while self._unfinished:
+            item = await self._outputs.get()
+            if isinstance(item, RequestFailed):
+                self._unfinished.clear()  # the engine loop has aborted them
+                raise item
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+            prompt = self._prompt_index[item.request_id]
+            self._latest[prompt] = item
+            yield prompt, item
+
+    def usage(self) -> dict:
+        generated = sum(len(o.token_ids) for out in self._latest.values() for o in out.outputs)
+        return usage(sum(map(len, self.prompts)), generated)
+
+    async def response(self) -> dict:
+        async for _ in self.outputs():
+            pass
+        n = self.params.n
+        choices = [self.fmt.choice(p * n + o.index, o.text, o.logprobs, o.finish_reason, o.stop_reason,
+                                   text_offset=0, streaming=False)
+                   for p, out in sorted(self._latest.items()) for o in out.outputs]
+        return self.fmt.response(choices, self.usage())
+
+    async def events(self, include_usage: bool) -> AsyncIterator[str]:
+        """SSE lines: a chunk per choice that advanced, [usage chunk], data: [DONE]."""
+        fmt, n = self.fmt, self.params.n
+        sent_logprobs: dict[int, int] = defaultdict(int)
+        sent_text: dict[int, int] = defaultdict(int)
+        finished: set[int] = set()
+        try:
+            opening = fmt.opening_choices(len(self.prompts) * n)
+            if opening:
+                yield _sse(fmt.chunk(opening, include_usage=include_usage))
+            async for p, out in self.outputs():
+                for o in out.outputs:
+                    index = p * n + o.index
+                    if index in finished or not (o.delta_token_ids or o.delta_text or o.finish_reason):
+                        continue
+                    logprobs = None if o.logprobs is None else o.logprobs[sent_logprobs[index]:]
+                    choice = fmt.choice(index, o.delta_text, logprobs, o.finish_reason, o.stop_reason,
+                                        text_offset=sent_text[index], streaming=True)
+                    sent_logprobs[index] = len(o.logprobs or ())
+                    sent_text[index] += len(o.delta_text)
+                    if o.finish_reason is not None:
+                        finished.add(index)
+                    yield _sse(fmt.chunk([choice], include_usage=include_usage))
+            if include_usage:
+                yield _sse(fmt.chunk([], self.usage(), include_usage=True))
+        except RequestFailed as exc:
+            yield _sse(error_body(500, str(exc)))
+        yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that runs `on_close` however it ends (finished, disconnected, failed),
+    even if the body iterator never started."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(events, headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def until_disconnected(request: Request, work: asyncio.Future | asyncio.Task) -> object | None:
+    """The result of `work`, or None (work cancelled) if the client disconnects first."""
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return work.result() if work.done() else None
+    finally:
+        watcher.cancel()
+        work.cancel()  # a no-op once done
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"

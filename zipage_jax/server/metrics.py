@@ -1,0 +1,103 @@
+"""Prometheus metrics: vLLM's names where vLLM has one, `zipage:` for compression.
+
+Engine counters and gauges are read from the engine thread's latest stats snapshot at scrape
+time; latency histograms are observed by the engine thread as outputs arrive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from zipage_jax.engine.llm_engine import EngineStats
+from zipage_jax.engine.outputs import RequestOutput
+
+# vLLM's buckets
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                960.0, 1920.0, 7680.0)
+
+# (name, help, EngineStats field); counters are exposed with a _total suffix
+_GAUGES = (
+    ("vllm:num_requests_running", "Sequences in the running batch.", "num_running"),
+    ("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).", "kv_usage"),
+    ("zipage:seqs_at_budget", "Sequences whose KV cache is at its compression budget.", "seqs_at_budget"),
+    ("zipage:query_slots_in_use", "Query-cache slots held by compressible sequences.", "query_slots_in_use"),
+    ("zipage:query_slots_total", "Query-cache slots in the engine.", "num_query_slots"),
+    ("zipage:kv_free_blocks", "Free blocks in the KV-cache pool.", "num_free_blocks"),
+    ("zipage:kv_total_blocks", "Usable blocks in the KV-cache pool.", "num_kv_blocks"),
+)
+_COUNTERS = (
+    ("vllm:prompt_tokens", "Prefill tokens processed.", "prompt_tokens"),
+    ("vllm:generation_tokens", "Generated tokens.", "generation_tokens"),
+    ("vllm:num_preemptions", "Preemptions of running sequences.", "num_preemptions"),
+    ("vllm:prefix_cache_queries", "Prefix-cache lookups.", "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "Prefix-cache hits.", "prefix_cache_hits"),
+    ("zipage:compressions", "KV-cache compressions run.", "num_compressions"),
+    ("zipage:kv_tokens_evicted", "KV tokens evicted by compression.", "kv_tokens_evicted"),
+)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:  # still loading
+            return
+        for kind, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for name, doc, field in table:
+                family = kind(name, doc, labels=["model_name"])
+                family.add_metric([self._model_name], getattr(stats, field))
+                yield family
+
+
+class ServerMetrics:
+    """The app's own registry (several apps may live in one process)."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(model_name, stats))
+        labels = ["model_name"]
+        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
+                               buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self._itl = Histogram("vllm:inter_token_latency_seconds", "Time between generated tokens.", labels,
+                              buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", labels,
+                              buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._success = Counter("vllm:request_success", "Finished requests (per completion), by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self._model_name = model_name
+        self._last_token: dict[str, dict[int, float]] = {}  # request id -> completion index -> time
+
+    def observe(self, output: RequestOutput, now: float) -> None:
+        """Called by the engine thread for every output it delivers."""
+        last = self._last_token.setdefault(output.request_id, {})
+        for o in output.outputs:
+            if not o.delta_token_ids:
+                continue
+            if o.index not in last:
+                if o.metrics.get("ttft_s") is not None:
+                    self._ttft.observe(o.metrics["ttft_s"])
+            else:
+                gap = (now - last[o.index]) / len(o.delta_token_ids)
+                for _ in o.delta_token_ids:
+                    self._itl.observe(gap)
+            last[o.index] = now
+        if output.finished:
+            self.discard(output.request_id)
+            for o in output.outputs:
+                self._e2e.observe(o.metrics.get("latency_s", 0.0))
+                self._success.labels(self._model_name, o.finish_reason).inc()
+
+    def discard(self, request_id: str) -> None:
+        self._last_token.pop(request_id, None)
