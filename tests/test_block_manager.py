@@ -35,7 +35,7 @@ def admit(bm: BlockManager, seq: Sequence, device: FakeDevice | None = None) -> 
     return cached
 
 
-def compress(bm: BlockManager, seq: Sequence, device: FakeDevice | None = None):
+def compress_seq(bm: BlockManager, seq: Sequence, device: FakeDevice | None = None):
     assert seq.num_kv_slots == len(seq.block_table) * BS, "compression needs full blocks"
     plan = bm.plan_compression(seq)
     assert plan is not None
@@ -146,7 +146,7 @@ def test_compression_in_place_releases_blocks_beyond_the_budget():
     seq = make_seq(range(100, 100 + 5 * BS), budget=2)  # a prompt longer than the budget
     admit(bm, seq, device)
     table = list(seq.block_table)
-    plan = compress(bm, seq, device)
+    plan = compress_seq(bm, seq, device)
     assert plan.source_table == table
     assert plan.target_table == table[:3]  # nothing shared: compacts in place
     assert sorted(plan.release) == sorted(table[3:])
@@ -171,7 +171,7 @@ def test_compression_replaces_shared_prefix_blocks():
     assert admit(bm, seq, device) == 2 * BS
     table = list(seq.block_table)
     shared, own = table[:2], table[2:]
-    plan = compress(bm, seq, device)
+    plan = compress_seq(bm, seq, device)
     target = plan.target_table
     assert len(target) == 3 and not set(target[:2]) & set(table)  # fresh blocks for the shared ones
     assert target[2] == own[0]
@@ -208,7 +208,7 @@ def test_a_compressed_sequence_compacts_in_place():
     admit(bm, seq, device)
     for _ in range(3):
         seq.token_ids.append(len(seq))
-        compress(bm, seq, device)
+        compress_seq(bm, seq, device)
         assert len(seq.block_table) == 3 and bm.num_free_blocks == 7 - 3
         compute(bm, seq, 1, device)  # the new token lands in slot 0 of block M
         assert seq.num_kv_slots == 2 * BS + 1
@@ -228,8 +228,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.bm = BlockManager(12, BS)
-        self.device = FakeDevice(12, BS)
+        self.bm = BlockManager(8, BS)
+        self.device = FakeDevice(8, BS)
         self.seqs: list[Sequence] = []
 
     def _compressible(self) -> list[Sequence]:
@@ -242,11 +242,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = make_seq(PREFIXES[family][:cut] + suffix, budget)
         cached = self.bm.match_prefix(seq)
         assert cached <= len(seq) - 1 and cached % BS == 0
-        assert [self.bm.blocks[b].ref_count >= 1 for b in seq.block_table] == [True] * len(seq.block_table)
-        if self.bm.allocate_slots(seq, len(seq) - cached):
-            self.device.write(seq, cached, len(seq) - cached)
-            seq.num_computed_tokens = seq.num_kv_slots = len(seq)
-            self.bm.commit_full_blocks(seq)
+        assert all(self.bm.blocks[b].token_ids == tuple(seq.block_tokens(i)) for i, b in enumerate(seq.block_table))
+        if self.bm.blocks_needed(seq, len(seq) - cached) <= self.bm.num_free_blocks:
+            compute(self.bm, seq, len(seq) - cached, self.device)
             self.seqs.append(seq)
         else:
             self.bm.free(seq)
@@ -255,18 +253,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), n=st.integers(1, 5), token=st.integers(0, 3))
     def grow(self, data, n, token):
         seq = data.draw(st.sampled_from(self.seqs))
-        if seq in self._compressible():
-            return
-        if seq.budget_blocks is not None:  # never past a full last block once at the budget
-            room = len(seq.block_table) * BS - seq.num_kv_slots
-            n = min(n, room) if len(seq.block_table) >= seq.budget_blocks + 1 else n
+        if seq.budget_blocks is not None and len(seq.block_table) >= seq.budget_blocks + 1:
+            n = min(n, len(seq.block_table) * BS - seq.num_kv_slots)  # at its budget: fill, then compress
         if n and self.bm.blocks_needed(seq, n) <= self.bm.num_free_blocks:
             seq.token_ids += [token] * n
-            assert self.bm.allocate_slots(seq, n)
-            self.device.write(seq, seq.num_computed_tokens, n)
-            seq.num_computed_tokens += n
-            seq.num_kv_slots += n
-            self.bm.commit_full_blocks(seq)
+            compute(self.bm, seq, n, self.device)
 
     @precondition(lambda self: self._compressible())
     @rule(data=st.data())
@@ -309,6 +300,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks == self.bm.num_usable_blocks, "blocks leaked"
 
 
-BlockManagerMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=30, deadline=None,
+BlockManagerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                                  suppress_health_check=[HealthCheck.too_slow])
 TestBlockManagerMachine = BlockManagerMachine.TestCase

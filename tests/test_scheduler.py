@@ -216,6 +216,22 @@ def test_a_preempted_sequence_recomputes_from_the_prefix_cache():
     loop.check_all_freed()
 
 
+def test_preempt_releases_blocks_and_query_slot():
+    loop = Loop(16, num_query_slots=1)
+    seq = loop.add(prompt(9, 0), max_tokens=6, budget=1)
+    loop.step()
+    assert seq.query_slot is not None
+    out = SchedulerOutput()
+    loop.sched.preempt(seq, out)
+    assert out.preempted == [seq] and list(loop.sched.waiting) == [seq]
+    assert seq.query_slot is None and seq.num_computed_tokens == 0 and seq.metrics.num_preemptions == 1
+    loop.check_state()
+    assert loop.sched.query_slots.in_use == 0
+    loop.run()
+    assert seq.num_output_tokens == 6
+    loop.check_all_freed()
+
+
 # -- compression --------------------------------------------------------------------------------
 
 

@@ -137,8 +137,7 @@ def redundancy(
     logits. "lightning": keys of the same block only, logits / (temperature * BS); "raw":
     the whole sequence, logits / (temperature * T_valid).
     """
-    batch, width = block_tables.shape
-    block_size = cfg.block_size
+    width, block_size = block_tables.shape[1], cfg.block_size
     keys = k_pool[block_tables].astype(jnp.float32)  # [B, W, BS, Hkv, D]
     norm = jnp.sqrt((keys * keys).sum(axis=-1, keepdims=True))
     keys = (keys / jnp.maximum(norm, 1e-6)).transpose(0, 3, 1, 2, 4)  # [B, Hkv, W, BS, D]
@@ -169,7 +168,7 @@ def _redundancy_row_sums(sim, rows, cols, threshold, allowed=None):
 def _raw_row_sums(keys, valid, threshold):
     """Whole-sequence row sums, one column block at a time: [B, Hkv, W, BS]."""
     batch, num_kv_heads, width, block_size, head_dim = keys.shape
-    flat = keys.reshape(batch, num_kv_heads, width * block_size, head_dim)
+    flat = keys.reshape(batch, num_kv_heads, width * block_size, head_dim)  # [B, Hkv, T, D]
     flat_valid = valid.reshape(batch, 1, width * block_size)
     rows = jnp.arange(width * block_size)[:, None]
 

@@ -10,8 +10,9 @@ Stops (vLLM semantics): the first `min_tokens` tokens never stop the sequence; t
 unless include_stop_str_in_output); a stop string found in the text finishes it with "stop",
 the text cut before the string (after it with include_stop_str_in_output); max_tokens
 finishes it with "length". A stop string wins over the other reasons on the same token.
-Deltas hold back any tail of the text that could still become a stop string, so streamed
-text never has to be taken back; the concatenated deltas equal `.text` once finished.
+Any tail of the text that could still become a stop string is held back (from the deltas
+and from `.text`) until it is resolved, so streamed text never has to be taken back:
+`.text` is always the concatenation of the deltas returned so far.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class StopChecker:
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.token_ids: list[int] = []  # output tokens, stop tokens included
-        self.text = ""  # output text so far: cut at a stop string once finished
+        self._text = ""  # decoded output, held-back tail included; cut at a stop string
         self.finish_reason: str | None = None  # "stop" or "length"
         self.stop_reason: str | int | None = None  # the stop string or stop token id; None for EOS / length
         self._tokens = self._to_tokens(prompt_token_ids[-_CONTEXT_TOKENS - 2:])  # tokenizer pieces
@@ -51,19 +52,24 @@ class StopChecker:
         ends = is_stop_token or len(self.token_ids) >= params.max_tokens
         if not is_stop_token or params.include_stop_str_in_output:
             self._tokens.extend(self._to_tokens([token_id]))
-        checked = len(self.text)
-        self.text += self._decode(flush=ends)
+        checked = len(self._text)
+        self._text += self._decode(flush=ends)
         if not (may_stop and self._match_stop_string(checked)):
             if is_stop_token:
                 self._finish("stop", None if is_eos else token_id)
             elif ends:
                 self._finish("length", None)
-        end = len(self.text) if self.finish_reason else len(self.text) - self._held_back()
-        delta, self._emitted = self.text[self._emitted:end], max(end, self._emitted)
+        end = len(self._text) if self.finish_reason else len(self._text) - self._held_back()
+        delta, self._emitted = self._text[self._emitted:end], max(end, self._emitted)
         return delta, self.finish_reason
 
+    @property
+    def text(self) -> str:
+        """The output text streamed so far; the whole output once finished."""
+        return self._text[: self._emitted]
+
     def _to_tokens(self, ids: Sequence[int]) -> list[str]:
-        return self.tokenizer.convert_ids_to_tokens(list(ids), skip_special_tokens=self.params.skip_special_tokens)
+        return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids], skip_special_tokens=self.params.skip_special_tokens)
 
     def _decode(self, flush: bool) -> str:
         # the new text of the pieces past read_offset; flush: even if it ends in a partial character
@@ -79,24 +85,24 @@ class StopChecker:
         # only matches that end in the text added since `checked` are new
         best = None
         for stop in self.params.stop:
-            at = self.text.find(stop, max(checked - len(stop) + 1, 0))
+            at = self._text.find(stop, max(checked - len(stop) + 1, 0))
             if at >= 0 and (best is None or at < best[0]):
                 best = (at, stop)
         if best is None:
             return False
         at, stop = best
-        self.text = self.text[: at + len(stop) if self.params.include_stop_str_in_output else at]
+        self._text = self._text[: at + len(stop) if self.params.include_stop_str_in_output else at]
         self._finish("stop", stop)
         return True
 
     def _held_back(self) -> int:
-        # length of the longest tail of .text that begins a stop string and may still complete it
+        # length of the longest tail of the text that begins a stop string and may still complete it
         if self.params.include_stop_str_in_output:
             return 0
         longest = 0
         for stop in self.params.stop:
-            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:n]):
+            for n in range(min(len(stop) - 1, len(self._text)), longest, -1):
+                if self._text.endswith(stop[:n]):
                     longest = n
                     break
         return longest

@@ -158,7 +158,7 @@ def hf_config(reader: GGUFReader) -> dict:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"unsupported architecture {arch!r} in GGUF file; supported: llama, qwen2, qwen3")
-    if _field(reader, f"{arch}.rope.scaling.type", "none") not in ("none", None) or any(
+    if _field(reader, f"{arch}.rope.scaling.type", "none") != "none" or any(
         t.name == "rope_freqs.weight" for t in reader.tensors
     ):
         raise ValueError("unsupported GGUF RoPE scaling (rope.scaling.type / rope_freqs.weight)")

@@ -66,6 +66,6 @@ def decoder_from_hf(cfg: ModelConfig, dtype: jnp.dtype, tensors: Mapping[str, np
             continue
         key = name.removeprefix("model.")
         if key.endswith("_proj.weight"):  # torch Linear [out, in] -> our kernel [in, out]
-            key, value = key.removesuffix("weight") + "kernel", np.asarray(value).T
+            key, value = key.removesuffix("weight") + "kernel", value.T
         flat[key] = value
     return decoder_from_flat(cfg, dtype, flat)
