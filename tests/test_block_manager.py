@@ -32,6 +32,7 @@ def compute(bm: BlockManager, seq: Sequence, n: int, device: FakeDevice | None =
 def admit(bm: BlockManager, seq: Sequence, device: FakeDevice | None = None) -> int:
     cached = bm.match_prefix(seq)
     compute(bm, seq, len(seq) - cached, device)
+    bm.count_prefix_lookup(seq, cached)
     return cached
 
 

@@ -163,7 +163,7 @@ def test_kept_set_matches_numpy(sp, vocab, scale):
     batch, _ = SamplingBatch.build([SamplingRow(sp, seed=0)] * 4, 4)
     scaled = jnp.asarray(x) / sp.temperature
     p = jnp.pad(jnp.exp(scaled - scaled.max(-1, keepdims=True)), ((0, 0), (0, -vocab % 128)))  # as sample pads
-    threshold = np.asarray(jnp.maximum(sampler._top_k_p_threshold(p, batch.top_k, batch.top_p), batch.min_p))
+    threshold = np.asarray(jnp.maximum(jax.jit(sampler._top_k_p_threshold)(p, batch.top_k, batch.top_p), batch.min_p))
     for row in range(4):
         kept = set(np.flatnonzero(np.asarray(p[row]) >= threshold[row]).tolist())
         assert kept == _support(x[row], sp), row
@@ -255,7 +255,8 @@ def test_builder_pads_rows_and_sets_flags():
     np.testing.assert_array_equal(batch.suppress_ids, [[-1] * 4, [1, 2, 3, -1], [-1] * 4, [-1] * 4])
     assert batch.history.shape == (4, 0) and not flags.any_penalty
     # presence / frequency only read the output tokens
-    batch, _ = SamplingBatch.build([SamplingRow(SP(presence_penalty=1.0), seed=0, token_ids=[4, 5, 6], num_prompt_tokens=2)], 1)
+    row = SamplingRow(SP(presence_penalty=1.0), seed=0, token_ids=[4, 5, 6], num_prompt_tokens=2)
+    batch, _ = SamplingBatch.build([row], 1)
     np.testing.assert_array_equal(batch.history, [[6]])
     assert batch.num_prompt.tolist() == [0]
 

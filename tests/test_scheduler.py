@@ -32,9 +32,9 @@ class Loop:
         self.history: list[SchedulerOutput] = []
         self.slots_in_use = 0  # most query slots ever held at once
 
-    def add(self, prompt: list[int], max_tokens: int, budget: int | None = None, parent: Sequence | None = None,
-            ) -> Sequence:
-        seq = Sequence(list(prompt), self.bs, budget_blocks=budget, parent=parent, query_cache_len=self.ql)
+    def add(self, token_ids: list[int], max_tokens: int, budget: int | None = None,
+            parent: Sequence | None = None) -> Sequence:
+        seq = Sequence(list(token_ids), self.bs, budget_blocks=budget, parent=parent, query_cache_len=self.ql)
         self.max_tokens[seq] = max_tokens
         self.seqs.append(seq)
         self.sched.add(seq)
@@ -213,6 +213,8 @@ def test_a_preempted_sequence_recomputes_from_the_prefix_cache():
     loop.run()
     assert victim.metrics.num_preemptions == 1 and first.metrics.num_preemptions == 0
     assert victim.metrics.num_cached_prompt_tokens == 8
+    # 1 + 1 blocks looked up at first admission, 3 at readmission (2 hits); failed attempts don't count
+    assert (loop.bm.prefix_queries, loop.bm.prefix_hits) == (5, 2)
     loop.check_all_freed()
 
 

@@ -4,11 +4,11 @@ with the official openai client and raw HTTP."""
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
+import importlib.util
+import json
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -32,9 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class FaultyEngine(LLMEngine):
-    """The real engine, failing on demand: add_request for POISON_SEED, step while fail_steps > 0."""
+    """The real engine, failing on demand (add_request for POISON_SEED, step while fail_steps > 0)
+    and slowed down on demand (step_delay)."""
 
     fail_steps = 0
+    step_delay = 0.0
 
     def add_request(self, prompt, params=None, request_id=None):
         if params is not None and params.seed == POISON_SEED:
@@ -45,6 +47,7 @@ class FaultyEngine(LLMEngine):
         if self.fail_steps:
             self.fail_steps -= 1
             raise RuntimeError("injected step failure")
+        time.sleep(self.step_delay)
         return super().step()
 
 
@@ -120,30 +123,34 @@ def test_models_and_health(server):
 
 def test_completion_greedy_matches_stream_and_token_prompt(server):
     tok = server.app.state.engine_loop.tokenizer
-    prompt = "The quick brown fox"
-    kwargs = dict(model=MODEL, max_tokens=12, **GREEDY)
+    prompt = "The fox"
+    kwargs = dict(model=MODEL, max_tokens=8, **GREEDY)
     full = server.client.completions.create(prompt=prompt, **kwargs)
     choice = full.choices[0]
     assert choice.finish_reason == "length"
     assert full.usage.prompt_tokens == len(tok(prompt)["input_ids"])
-    assert full.usage.completion_tokens == 12 and full.usage.total_tokens == full.usage.prompt_tokens + 12
+    assert full.usage.completion_tokens == 8 and full.usage.total_tokens == full.usage.prompt_tokens + 8
     by_ids = server.client.completions.create(prompt=tok(prompt)["input_ids"], **kwargs)
     assert by_ids.choices[0].text == choice.text
     chunks = list(server.client.completions.create(prompt=prompt, stream=True,
                                                    stream_options={"include_usage": True}, **kwargs))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def chat_prompt_ids(server, messages: list[dict]) -> list[int]:
+    ids = server.app.state.engine_loop.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                     tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def test_chat_renders_the_template(server):
-    tok = server.app.state.engine_loop.tokenizer
     messages = [{"role": "user", "content": "Hi"}]
     kwargs = dict(model=MODEL, max_tokens=10, **GREEDY)
     chat = server.client.chat.completions.create(messages=messages, **kwargs)
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids = chat_prompt_ids(server, messages)
     plain = server.client.completions.create(prompt=ids, **kwargs)
     assert chat.object == "chat.completion" and chat.model == MODEL
     assert chat.choices[0].message.role == "assistant"
@@ -156,19 +163,20 @@ def test_chat_renders_the_template(server):
 
 
 def test_several_prompts_and_n(server):
-    seeded = dict(n=2, max_tokens=5, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
-    out = server.client.completions.create(model="alias", prompt=["one", "two two"], **seeded)
-    assert [c.index for c in out.choices] == [0, 1, 2, 3]
-    assert all(c.finish_reason == "length" for c in out.choices)
-    assert out.usage.completion_tokens == 20
+    prompts = ["one", "two two"]
+    solo = [server.client.completions.create(model=MODEL, prompt=p, max_tokens=5, **GREEDY).choices[0].text
+            for p in prompts]
+    out = server.client.completions.create(model="alias", prompt=prompts, n=2, max_tokens=5, **GREEDY)
+    assert out.model == "alias"
+    assert [(c.index, c.text, c.finish_reason) for c in out.choices] == [
+        (0, solo[0], "length"), (1, solo[0], "length"), (2, solo[1], "length"), (3, solo[1], "length")]
     tok = server.app.state.engine_loop.tokenizer
-    as_ids = [tok("one")["input_ids"], tok("two two")["input_ids"]]
-    assert out.usage.prompt_tokens == len(as_ids[0]) + len(as_ids[1])
-    again = server.client.completions.create(model=MODEL, prompt=["one", "two two"], **seeded)
-    assert [c.text for c in again.choices] == [c.text for c in out.choices]
-    streamed = list(server.client.completions.create(model=MODEL, prompt=as_ids, stream=True, **seeded))
+    as_ids = [tok(p)["input_ids"] for p in prompts]
+    assert out.usage.prompt_tokens == len(as_ids[0]) + len(as_ids[1]) and out.usage.completion_tokens == 20
+    streamed = list(server.client.completions.create(model=MODEL, prompt=as_ids, n=2, max_tokens=5, stream=True,
+                                                     **GREEDY))
     texts = ["".join(c.choices[0].text for c in streamed if c.choices[0].index == i) for i in range(4)]
-    assert texts == [c.text for c in out.choices]
+    assert texts == [solo[0], solo[0], solo[1], solo[1]]
     assert sorted(c.choices[0].index for c in streamed if c.choices[0].finish_reason) == [0, 1, 2, 3]
 
 
@@ -182,21 +190,30 @@ def test_stop_string(server):
     assert stopped.model_extra["stop_reason"] == stop
 
 
+def _ascii(text: str) -> str:
+    """Per-token text differs from the whole text only where a token splits a UTF-8 character."""
+    return "".join(ch for ch in text if ord(ch) < 128)
+
+
 def test_logprobs(server):
-    out = server.client.completions.create(model=MODEL, prompt="Log", max_tokens=6, logprobs=2,
-                                           **GREEDY).choices[0]
+    messages = [{"role": "user", "content": "x"}]
+    out = server.client.completions.create(model=MODEL, prompt=chat_prompt_ids(server, messages), max_tokens=6,
+                                           logprobs=2, **GREEDY).choices[0]
     lp = out.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 2 and chosen <= 0
         assert chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy takes the most likely
-    assert "".join(lp.tokens) == out.text
-    chat = server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                                 max_tokens=4, logprobs=True, top_logprobs=2, **GREEDY).choices[0]
+    assert _ascii("".join(lp.tokens)) == _ascii(out.text)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(6)]
+    chat = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, logprobs=True,
+                                                 top_logprobs=2, **GREEDY).choices[0]
     content = chat.logprobs.content
-    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
-    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5) for c in content)
-    assert bytes(b for c in content for b in c.bytes).decode("utf-8", "replace") == chat.message.content
+    assert chat.message.content == out.text
+    assert [c.logprob for c in content] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert all(len(c.top_logprobs) == 2 and c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5)
+               for c in content)
+    assert [c.token for c in content] == lp.tokens and all(c.bytes == list(c.token.encode()) for c in content)
 
 
 def test_kv_budget_compresses(server):
@@ -299,35 +316,47 @@ def test_unknown_route_is_an_openai_error(server):
 # -- lifecycle ---------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def slow_steps(server, seconds: float = 0.05):
+    """Each engine step sleeps, so a long request is surely still running when the test acts."""
+    server.engine.step_delay = seconds
+    try:
+        yield
+    finally:
+        server.engine.step_delay = 0.0
+
+
 def test_disconnect_mid_stream_frees_blocks(server):
     start = wait_idle(server, metrics(server)["zipage:kv_total_blocks"])
-    body = dict(model=MODEL, prompt="a story", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
-    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
+    body = dict(model=MODEL, prompt="story", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
+    with slow_steps(server), httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         assert [next(line for line in lines if line.startswith("data:")) for _ in range(3)]
-        busy = metrics(server)
-        assert busy["zipage:kv_free_blocks"] < start["zipage:kv_free_blocks"]
+        assert metrics(server)["zipage:kv_free_blocks"] < start["zipage:kv_free_blocks"]
     end = wait_idle(server, start["zipage:kv_free_blocks"])
-    assert end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"] < 200  # aborted early
+    assert end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"] < 20  # aborted early
+    assert end["vllm:e2e_request_latency_seconds_count"] == start["vllm:e2e_request_latency_seconds_count"]
 
 
 def test_disconnect_while_waiting_for_a_whole_response(server):
     start = wait_idle(server, metrics(server)["zipage:kv_total_blocks"])
-    body = dict(model=MODEL, prompt="wait for me", max_tokens=200, temperature=0, ignore_eos=True)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=httpx.Timeout(60, read=0.5))
+    body = dict(model=MODEL, prompt="wait", max_tokens=200, temperature=0, ignore_eos=True)
+    with slow_steps(server), pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}{COMPLETIONS}", json=body, timeout=httpx.Timeout(60, read=0.3))
     end = wait_idle(server, start["zipage:kv_free_blocks"])
-    assert end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"] < 200
+    assert end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"] < 20
+    assert end["vllm:e2e_request_latency_seconds_count"] == start["vllm:e2e_request_latency_seconds_count"]
 
 
 def test_a_failing_request_fails_alone(server):
-    body = dict(model=MODEL, prompt="survivor", max_tokens=12, temperature=0, ignore_eos=True, stream=True)
-    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
+    body = dict(model=MODEL, prompt="survivor", max_tokens=8, temperature=0, ignore_eos=True, stream=True)
+    with slow_steps(server), httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data:"))
         bad = server.http.post(COMPLETIONS, json=dict(model=MODEL, prompt="x", seed=POISON_SEED))
         assert bad.status_code == 500 and "poisoned request" in bad.json()["error"]["message"]
+        assert bad.json()["error"]["type"] == "server_error"
         rest = [line for line in lines if line.startswith("data:")]
     assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
 
@@ -335,16 +364,17 @@ def test_a_failing_request_fails_alone(server):
 def test_a_failing_step_fails_the_batch_and_serving_goes_on(server):
     start = wait_idle(server, metrics(server)["zipage:kv_total_blocks"])
     body = dict(model=MODEL, prompt="doomed", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
-    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
+    with slow_steps(server), httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data:"))
         server.engine.fail_steps = 1
         rest = [line for line in lines if line.startswith("data:")]
-    assert rest[-1] == "data: [DONE]" and "injected step failure" in rest[-2] and '"error"' in rest[-2]
-    r = server.http.post(COMPLETIONS, json=dict(model=MODEL, prompt="doomed", max_tokens=12, temperature=0,
-                                                ignore_eos=True))
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["error"]["message"].endswith("injected step failure")
     wait_idle(server, start["zipage:kv_free_blocks"])
+    r = server.http.post(COMPLETIONS, json=dict(model=MODEL, prompt="doomed", max_tokens=8, temperature=0,
+                                                ignore_eos=True))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
 
 
 def test_many_concurrent_streams(server):
@@ -401,13 +431,32 @@ def test_health_is_503_while_loading_and_after_a_failed_load():
         srv.close()
 
 
-def test_script_exits_when_the_model_cannot_load(tmp_path):
+def _serve_script():
+    spec = importlib.util.spec_from_file_location("serve_jax", ROOT / "scripts" / "serve_jax.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_script_binds_localhost_and_exits_when_the_model_cannot_load(tmp_path, caplog, monkeypatch):
+    bound = []
+    run = uvicorn.Server.run
+
+    def recording_run(self, *args, **kwargs):
+        bound.append((self.config.host, self.config.port))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(uvicorn.Server, "run", recording_run)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_jax.py"), "--model", str(tmp_path / "none"),
-                           "--port", str(port), "--kvcache-block-size", "16"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 1, proc.stderr
-    assert "none" in proc.stderr and f"127.0.0.1:{port}" in proc.stderr
+    missing = str(tmp_path / "no-model")
+    assert _serve_script().main(["--model", missing, "--port", str(port), "--kvcache-block-size", "16"]) == 1
+    assert bound == [("127.0.0.1", port)]
+    assert "no-model' does not exist" in caplog.text
+
+
+def test_script_rejects_bad_engine_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _serve_script().main(["--kvcache-block-size", "24"])
+    assert exit_info.value.code == 2 and "kvcache_block_size" in capsys.readouterr().err

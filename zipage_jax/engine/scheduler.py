@@ -132,6 +132,7 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_kv_slots = 0
                 break
             seq.metrics.num_cached_prompt_tokens = max(seq.metrics.num_cached_prompt_tokens, cached)
+            self.block_manager.count_prefix_lookup(seq, cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -69,7 +69,8 @@ class StopChecker:
         return self._text[: self._emitted]
 
     def _to_tokens(self, ids: Sequence[int]) -> list[str]:
-        return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids], skip_special_tokens=self.params.skip_special_tokens)
+        skip = self.params.skip_special_tokens
+        return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids], skip_special_tokens=skip)
 
     def _decode(self, flush: bool) -> str:
         # the new text of the pieces past read_offset; flush: even if it ends in a partial character

@@ -48,8 +48,10 @@ def paged_attention_fn(inputs: StepInputs, backend: str):
 
 
 def _scatter_rows(cache: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
-    """cache: [N0, N1, ...rest]; index: [B, C] flat into N0*N1; rows: [B, C, ...rest]."""
-    shape = cache.shape
-    flat = cache.reshape((shape[0] * shape[1],) + shape[2:])
-    flat = flat.at[index.reshape(-1)].set(rows.reshape((-1,) + shape[2:]).astype(cache.dtype))
-    return flat.reshape(shape)
+    """cache: [N0, N1, ...rest]; index: [B, C] flat into N0*N1; rows: [B, C, ...rest].
+
+    Indexes the two leading axes (not a reshaped view), so XLA updates the donated buffer in
+    place instead of copying it."""
+    index = index.reshape(-1)
+    rows = rows.reshape((-1,) + cache.shape[2:]).astype(cache.dtype)
+    return cache.at[index // cache.shape[1], index % cache.shape[1]].set(rows)

@@ -1,16 +1,17 @@
 """Batched next-token sampling with per-request parameters.
 
-Order per row (HF / vLLM): ban the row's suppress_ids (EOS and stop ids under min_tokens); repetition
-penalty (prompt + output tokens), frequency and presence penalties (output tokens); then a
-greedy row takes the argmax and a random row divides by its temperature, keeps the tokens
-that pass top-k, top-p (over the top-k survivors) and min-p, and draws one of them by
-inverse CDF with a single uniform from fold_in(key(seed), step): a seeded request draws the
-same tokens whatever batch it is in. Log-probabilities come from the raw logits.
+Order per row (HF / vLLM): ban the row's suppress_ids (EOS and stop ids under min_tokens);
+repetition penalty (prompt + output tokens), frequency and presence penalties (output
+tokens); then a greedy row takes the argmax and a random row divides by its temperature,
+keeps the tokens that pass top-k, top-p (over the top-k survivors) and min-p, and draws one
+of them by inverse CDF with a single uniform from fold_in(key(seed), step): a seeded
+request draws the same tokens whatever batch it is in. Log-probabilities come from the raw
+logits.
 
 Filters work on unnormalised probabilities p = exp(x - max x), so the kept set is
 {p >= max(t_top_k, t_top_p, min_p)} (ties at a threshold are all kept). The top-k and top-p
-thresholds are read from the `_CANDIDATES` largest p of each row; only when a row's
-threshold lies deeper does the batch run an exact bisection over float32 bits, never a sort.
+thresholds are read from the `_CANDIDATES` largest p of each row; only the rows whose
+threshold lies deeper run an exact bisection over float32 bits. Nothing sorts the vocabulary.
 """
 
 from __future__ import annotations
@@ -189,13 +190,12 @@ def _argmax(x: jax.Array) -> jax.Array:
 def _sample_random(x: jax.Array, batch: SamplingBatch, any_top_k_p: bool) -> jax.Array:
     # x: [B, Vp] penalised logits
     greedy = batch.temperature == 0  # [B]
-    scaled = x / jnp.where(greedy, 1.0, batch.temperature)[:, None]
-    top = jnp.max(scaled, axis=-1, keepdims=True)  # [B, 1]
-    p = _materialise(jnp.exp(scaled - top))  # [B, Vp] unnormalised probabilities, max 1
+    centred = x - jnp.max(x, axis=-1, keepdims=True)  # [B, Vp] <= 0, 0 at the argmax
+    p = _materialise(jnp.exp(centred / jnp.where(greedy, 1.0, batch.temperature)[:, None]))  # unnormalised, max 1
     threshold = batch.min_p
     if any_top_k_p:
         threshold = jnp.maximum(threshold, _top_k_p_threshold(p, batch.top_k, batch.top_p))
-    keep = jnp.where(greedy[:, None], scaled == top, p >= threshold[:, None])
+    keep = jnp.where(greedy[:, None], centred == 0, p >= threshold[:, None])
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(batch.seed, batch.step)
     u = jnp.where(greedy, 0.0, jax.vmap(jax.random.uniform)(keys))  # [B] in [0, 1)
     return _draw(jnp.where(keep, p, 0.0), u)
@@ -229,7 +229,6 @@ def _top_k_p_threshold(p: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     """Per row, the smallest p kept by top-k then top-p (0 where both are off)."""
     # p: [B, Vp] in [0, 1]; top_k, top_p: [B]
     vocab = p.shape[-1]
-    p = _materialise(p)
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1
     num = min(_CANDIDATES, vocab)
@@ -245,14 +244,38 @@ def _top_k_p_threshold(p: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     t_p = jnp.where(p_on, _at(vals, kept - 1), 0.0)
     fits = (~k_on | k_fits) & (~p_on | (cum[:, -1] >= target))
     fast = jnp.maximum(t_k, t_p)
+    return _exact_where_needed(p, top_k, top_p, fast, fits)
 
-    def exact() -> jax.Array:
-        t_k = jnp.where(k_on, _largest_threshold(p, jnp.ones_like(p), top_k.astype(jnp.float32)), 0.0)
-        top_k_p = jnp.where(p >= t_k[:, None], p, 0.0)
-        t_p = jnp.where(p_on, _largest_threshold(p, top_k_p, top_p * jnp.sum(top_k_p, axis=-1)), 0.0)
-        return jnp.where(fits, fast, jnp.maximum(t_k, t_p))
 
-    return lax.cond(jnp.all(fits), lambda: fast, exact)
+def _exact_where_needed(p: jax.Array, top_k: jax.Array, top_p: jax.Array, fast: jax.Array,
+                        fits: jax.Array) -> jax.Array:
+    """`fast` where it fits; elsewhere the bisection, run on just those rows (gathered into a bucket)."""
+    # p: [B, Vp]; top_k, top_p, fast, fits: [B]
+    sizes = [s for s in (1, 4, 16) if s < p.shape[0]] + [p.shape[0]]
+
+    def exact_rows(size: int):
+        def run() -> jax.Array:
+            rows = jnp.nonzero(~fits, size=size, fill_value=0)[0]  # [size]
+            exact = jnp.zeros_like(fast).at[rows].set(_exact_threshold(p[rows], top_k[rows], top_p[rows]))
+            return jnp.where(fits, fast, exact)
+
+        return run
+
+    branch = jnp.searchsorted(jnp.array([0, *sizes]), jnp.sum(~fits))  # 0: every row fits
+    return lax.switch(branch, [lambda: fast] + [exact_rows(s) for s in sizes])
+
+
+def _exact_threshold(p: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    # p: [R, Vp]; top_k, top_p: [R] -> [R] the smallest p kept by top-k then top-p
+    k_on = (top_k > 0) & (top_k < p.shape[-1])
+    p_on = top_p < 1
+    zeros = jnp.zeros(top_p.shape, p.dtype)
+    t_k = lax.cond(jnp.any(k_on), lambda: jnp.where(
+        k_on, _largest_threshold(p, jnp.ones_like(p), top_k.astype(jnp.float32)), 0.0), lambda: zeros)
+    top_k_p = jnp.where(p >= t_k[:, None], p, 0.0)
+    t_p = lax.cond(jnp.any(p_on), lambda: jnp.where(
+        p_on, _largest_threshold(p, top_k_p, top_p * jnp.sum(top_k_p, axis=-1)), 0.0), lambda: zeros)
+    return jnp.maximum(t_k, t_p)
 
 
 def _largest_threshold(p: jax.Array, weight: jax.Array, target: jax.Array) -> jax.Array:

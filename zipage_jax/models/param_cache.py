@@ -43,8 +43,9 @@ class ParamCache:
         return json.loads(f.read_text()) if f.is_file() else None
 
     def restore_params(self, key: str, shapes: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
-        with ocp.StandardCheckpointer() as ckpt:
-            return ckpt.restore((self.root / key / "params").resolve(), shapes)
+        args = ocp.args.PyTreeRestore(restore_args=ocp.checkpoint_utils.construct_restore_args(shapes))
+        with ocp.PyTreeCheckpointer() as ckpt:
+            return ckpt.restore((self.root / key / "params").resolve(), args=args)
 
     def tokenizer_dir(self, key: str) -> Path:
         return self.root / key / "tokenizer"
@@ -54,7 +55,7 @@ class ParamCache:
         tmp = self.root / f"{key}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        with ocp.StandardCheckpointer() as ckpt:
+        with ocp.PyTreeCheckpointer(use_compression=False) as ckpt:  # zstd would double restore time
             ckpt.save((tmp / "params").resolve(), params)
         (tmp / "hf_config.json").write_text(json.dumps(hf_config))
         tokenizer.save_pretrained(tmp / "tokenizer")

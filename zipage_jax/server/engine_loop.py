@@ -83,13 +83,13 @@ class EngineLoop:
             self._commands.put(_STOP)
             self._thread.join(timeout)
 
-    async def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                  sink: asyncio.Queue) -> None:
-        """Adds a request whose outputs (RequestOutput, or a final RequestFailed) go to `sink`.
-        Raises the engine's ValueError for bad input."""
+    def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+            sink: asyncio.Queue) -> asyncio.Future:
+        """Queues a request whose outputs (RequestOutput, or a final RequestFailed) go to `sink`;
+        the future fails with the engine's ValueError for bad input."""
         done = concurrent.futures.Future()
         self._commands.put(_Add(prompt_token_ids, params, request_id, sink, done))
-        await asyncio.wrap_future(done)
+        return asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -129,6 +129,8 @@ class EngineLoop:
             return True
 
     def _add(self, command: _Add) -> None:
+        if not command.done.set_running_or_notify_cancel():
+            return  # the client went away before the request was added
         try:
             self.engine.add_request(command.prompt_token_ids, command.params, command.request_id)
         except Exception as exc:  # ValueError: bad input (400); anything else fails this request only

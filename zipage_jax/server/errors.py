@@ -61,6 +61,8 @@ def validation_error(exc: RequestValidationError) -> OpenAIError:
         shapes = ", ".join(dict.fromkeys(tags))
         return OpenAIError(400, f"{field}: invalid value; expected one of: {shapes}", param=field)
     where = ".".join(loc)
+    if first["type"] == "extra_forbidden":
+        return OpenAIError(400, f"{where}: unsupported parameter", param=field)
     return OpenAIError(400, f"{where}: {first['msg']}", param=field)
 
 

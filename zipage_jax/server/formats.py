@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
+from abc import ABC, abstractmethod
 from typing import Any
 
 from zipage_jax.engine.outputs import TokenLogprob
 
 
-class ResponseFormat:
+class ResponseFormat(ABC):
     """What the two endpoints share: ids, envelopes, usage; subclasses shape a choice."""
 
     id_prefix: str
@@ -37,9 +38,10 @@ class ResponseFormat:
         """Choices sent before any token (chat announces the assistant role)."""
         return []
 
+    @abstractmethod
     def choice(self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
                stop_reason: str | int | None, text_offset: int, streaming: bool) -> dict:
-        raise NotImplementedError
+        """One choice: a whole response's, or a stream chunk's delta (`text` is then the delta)."""
 
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])

@@ -32,13 +32,18 @@ class Generation:
 
     async def start(self) -> None:
         """Adds every prompt; on an error (the engine's ValueError for bad input) aborts them all."""
+        self._unfinished.update(self._prompt_index)
+        added = [self._engine_loop.add(prompt, self.params, request_id, self._outputs)
+                 for request_id, prompt in zip(self._prompt_index, self.prompts)]
         try:
-            for request_id, prompt in zip(self._prompt_index, self.prompts):
-                self._unfinished.add(request_id)
-                await self._engine_loop.add(prompt, self.params, request_id, self._outputs)
+            results = await asyncio.gather(*added, return_exceptions=True)
         except BaseException:
             self.abort()
             raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.abort()
+            raise errors[0]
 
     def abort(self) -> None:
         """Aborts what has not finished (idempotent; the engine frees its blocks)."""
