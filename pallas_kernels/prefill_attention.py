@@ -10,10 +10,12 @@ Layouts (one layer):
 
 The new tokens' K/V must already be in the pool. Slots at or past a row's largest kv_len may
 hold anything (NaN included): they are masked out of the logits and zeroed in V.
-The keys are visited a few pages at a time with a float32 online softmax, and the loop stops
-after the longest row's last page. A step's logits stay under _LOGITS_BUDGET elements and its
-gathered K/V under _KV_STEP_BYTES: small, reused temporaries are what make this fast on CPU,
-where writing freshly allocated memory costs more than the attention math.
+The keys are visited a few pages at a time with a float32 online softmax. A step's logits stay
+under _LOGITS_BUDGET elements and its gathered K/V under _KV_STEP_BYTES (small temporaries are
+what make this fast on CPU, where writing fresh memory costs more than the attention math),
+unless that needs more than _MAX_STEPS steps. The steps are unrolled in Python, not a
+`fori_loop`: a while loop that reads the pool makes XLA copy the whole donated pool, per layer
+and per step, to keep the loop's operands apart from the in-place K/V writes.
 GQA is a grouped einsum: KV heads are never repeated.
 """
 
@@ -23,10 +25,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 _LOGITS_BUDGET = 1 << 24  # float32 logits per step (64 MiB)
 _KV_STEP_BYTES = 1 << 24  # gathered K plus V per step (16 MiB)
+_MAX_STEPS = 8  # unrolled steps per call (compile time)
 
 
 def check_paged_inputs(q_heads: int, head_dim: int, k_pool: jax.Array, v_pool: jax.Array,
@@ -56,16 +58,16 @@ def _attend_pages(q, k_pool, v_pool, block_tables, kv_lens, scale):
     kv_token_bytes = 2 * batch * num_kv_heads * head_dim * k_pool.dtype.itemsize
     max_tokens = min(_LOGITS_BUDGET // (batch * chunk * num_kv_heads * group),
                      _KV_STEP_BYTES // kv_token_bytes)
-    pages_per_step = max(1, min(width, max_tokens // block_size))
+    pages_per_step = max(1, min(width, max_tokens // block_size), -(-width // _MAX_STEPS))
     num_steps = -(-width // pages_per_step)
     # Dummy-block padding: those slots are past every kv_len, so they are masked.
     block_tables = jnp.pad(block_tables, ((0, 0), (0, num_steps * pages_per_step - width)))
     step_tokens = pages_per_step * block_size
     row_lens = kv_lens.max(axis=1)  # [B]: V rows at or past this may be garbage
 
-    def body(step, carry):
+    def step_fn(step, carry):
         m, l, acc = carry  # m, l: [B, C, Hkv, G]; acc: [B, C, Hkv, G, D]
-        pages = lax.dynamic_slice_in_dim(block_tables, step * pages_per_step, pages_per_step, 1)
+        pages = block_tables[:, step * pages_per_step:(step + 1) * pages_per_step]
         k = k_pool[pages].reshape(batch, step_tokens, num_kv_heads, head_dim)  # [B, T, Hkv, D]
         v = v_pool[pages].reshape(batch, step_tokens, num_kv_heads, head_dim)
         pos = step * step_tokens + jnp.arange(step_tokens)  # [T]
@@ -85,8 +87,9 @@ def _attend_pages(q, k_pool, v_pool, block_tables, kv_lens, scale):
     stats_shape = (batch, chunk, num_kv_heads, group)
     carry = (jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
              jnp.zeros((*stats_shape, head_dim), jnp.float32))
-    steps_needed = jnp.minimum(-(-row_lens.max() // step_tokens), num_steps)
-    _, l, acc = lax.fori_loop(0, steps_needed, body, carry)
+    for step in range(num_steps):
+        carry = step_fn(step, carry)
+    _, l, acc = carry
     return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
