@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Redundancy = Literal["none", "lightning", "raw"]
-EvictionPolicy = Literal["zipage", "streaming"]
+EvictionPolicy = Literal["zipage", "streaming", "window", "vnorm-window"]
+EVICTION_POLICIES = ("zipage", "streaming", "window", "vnorm-window")  # see zipage_jax/compress/policies.py
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class CompressionConfig:
     redundancy_threshold: float = 0.5
     sink_len: int = 0
     eviction_policy: EvictionPolicy = "zipage"
+    recent_fraction: float = 0.5  # share of the budget protected as a recent window ("window" policies)
 
     @property
     def budget_tokens(self) -> int:
@@ -51,6 +53,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "xla", "pallas"] = "auto"
     seed: int = 0
+    compilation_cache_dir: str | None = None  # None: $ZIPAGE_JAX_CACHE/xla or ~/.cache/zipage_jax/xla; "": off
     log_interval_s: float = 10.0
     # compression (None = full KV)
     max_cache_blocks_per_seq: int | None = None
@@ -66,6 +69,7 @@ class EngineConfig:
     redundancy_temperature: float = 0.4
     sink_len: int = 0
     eviction_policy: EvictionPolicy = "zipage"
+    recent_fraction: float = 0.5  # "window" policies: share of the budget kept as the most recent tokens
     enable_async_compress: bool = True
     enable_hybrid_engine: bool = True
     max_compress_seqs: int = 8  # sequences compacted in one step
@@ -103,8 +107,11 @@ class EngineConfig:
             raise ValueError(f"decay_factor must be in (0, 1], got {self.decay_factor}")
         if self.sink_len < 0:
             raise ValueError(f"sink_len must be >= 0, got {self.sink_len}")
-        if self.eviction_policy not in ("zipage", "streaming"):
-            raise ValueError(f"eviction_policy must be zipage or streaming, got {self.eviction_policy!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+                             f"got {self.eviction_policy!r}")
+        if not 0.0 <= self.recent_fraction < 1.0:
+            raise ValueError(f"recent_fraction must be in [0, 1), got {self.recent_fraction}")
         _positive("max_compress_seqs", self.max_compress_seqs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
 
@@ -132,6 +139,7 @@ class EngineConfig:
             redundancy_temperature=self.redundancy_temperature,
             sink_len=self.sink_len,
             eviction_policy=self.eviction_policy,
+            recent_fraction=self.recent_fraction,
         )
 
 

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from zipage_jax.chat import chat_prompt_ids
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.engine.outputs import RequestOutput
 from zipage_jax.sampling_params import SamplingParams
@@ -65,13 +66,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        if not messages:
-            raise ValueError("messages is empty")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     @staticmethod
     def _normalise(prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.attention_score import attention_score, attention_score_reference
+from zipage_jax.compress import policies
 from zipage_jax.config import CompressionConfig
 
 BACKENDS = ("xla", "pallas", "pallas-interpret")
@@ -40,6 +41,7 @@ def score_layer(
     score_cache: jax.Array | None,
     cfg: CompressionConfig,
     backend: str = "xla",
+    v_pool: jax.Array | None = None,
 ) -> tuple[ScoreStages, jax.Array | None]:
     """Scores one layer's tokens and picks the kept ones.
 
@@ -50,6 +52,7 @@ def score_layer(
       num_blocks: [B] int32 valid table entries; 0 marks a padding row.
       compressed: [B] bool, the sequence was compressed before.
       score_cache: [NB, BS, Hkv] float32 (required with use_global_score) or None.
+      v_pool: [NB, BS, Hkv, D] values, needed by the policies that weight by value norms.
 
     Returns:
       (stages, score_cache): the score cache with the new global score written into every
@@ -73,6 +76,10 @@ def score_layer(
         attn = attention_score(k_pool, queries, block_tables, num_blocks,
                                interpret=backend == "pallas-interpret")
     scores, global_, pooled, red = attn, None, None, None
+    if policies.uses_value_norm(cfg):
+        if v_pool is None:
+            raise ValueError(f"eviction_policy {cfg.eviction_policy!r} needs v_pool")
+        scores = scores * policies.value_norm(v_pool, block_tables)
     if cfg.use_global_score:
         scores, score_cache = global_score(scores, score_cache, block_tables, num_blocks, compressed,
                                            cfg)
@@ -84,7 +91,10 @@ def score_layer(
         if cfg.use_global_score and cfg.max_norm:
             red = _max_normed(red)
         scores = scores * cfg.redundancy_lambda - red * (1 - cfg.redundancy_lambda)
-    final = _protect_and_mask(scores, valid, num_blocks, cfg)
+    if cfg.eviction_policy in policies.POLICIES:
+        final = policies.protect_and_mask(scores, valid, num_blocks, cfg)
+    else:
+        final = _protect_and_mask(scores, valid, num_blocks, cfg)
     keep = top_k_keep(final, valid, cfg.budget_tokens)
     return ScoreStages(attn, global_, pooled, red, final, keep), score_cache
 

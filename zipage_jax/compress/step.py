@@ -41,7 +41,7 @@ def compress_layer(
     """
     queries = query_cache[query_ids]  # [B, QL, Hq, D]
     stages, score_cache = score_layer(
-        k_pool, queries, block_tables, num_blocks, compressed, score_cache, cfg, backend
+        k_pool, queries, block_tables, num_blocks, compressed, score_cache, cfg, backend, v_pool
     )
     targets = target_tables[:, : cfg.budget_blocks]
     if backend == "xla":
@@ -112,7 +112,7 @@ def _check(k_pools, v_pools, score_caches, query_caches, block_tables, num_block
     if score_caches is not None and len(score_caches) != num_layers:
         raise ValueError(f"need one score cache per layer, got {len(score_caches)} "
                          f"for {num_layers} layers")
-    if cfg.use_global_score and cfg.eviction_policy == "zipage" and score_caches is None:
+    if cfg.use_global_score and cfg.eviction_policy != "streaming" and score_caches is None:
         raise ValueError("use_global_score needs score_caches")
     block_size = k_pools[0].shape[1]
     if block_size != cfg.block_size:

@@ -8,6 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 
 from zipage_jax.config import EngineConfig
@@ -15,10 +16,12 @@ from zipage_jax.engine.block_manager import BlockManager
 from zipage_jax.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from zipage_jax.engine.runner import ModelRunner, StepResult
 from zipage_jax.engine.scheduler import Scheduler
+from zipage_jax.engine.sharding import shard_ready
 from zipage_jax.engine.sequence import Sequence
 from zipage_jax.engine.stop_checker import StopChecker
 from zipage_jax.layers.sampler import SamplingRow
 from zipage_jax.models.loading import LoadedModel, load_model
+from zipage_jax.models.param_cache import default_cache_dir
 from zipage_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger("zipage_jax")
@@ -65,15 +68,27 @@ class EngineStats:
     decode_tokens: int = 0
 
 
+def enable_compilation_cache(directory: str | None) -> None:
+    """JAX's persistent compilation cache, so a restart does not compile every bucket again."""
+    if directory == "" or jax.config.jax_compilation_cache_dir:
+        return
+    if directory is None:
+        directory = str(default_cache_dir() / "xla")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, **options):
         self.config = config = config or EngineConfig.from_options(**options)
-        self.loaded = loaded or load_model(config.model, dtype=config.dtype)
+        enable_compilation_cache(config.compilation_cache_dir)
+        self.loaded = shard_ready(loaded or load_model(config.model, dtype=config.dtype), config.tensor_parallel_size)
         mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         bs = config.kvcache_block_size
         itemsize = np.dtype(self.loaded.model.dtype).itemsize
-        block_bytes = 2 * mc.num_layers * bs * mc.num_kv_heads * mc.head_dim * itemsize
+        # per device: with tensor parallelism each device holds num_kv_heads / tp heads of every block
+        block_bytes = 2 * mc.num_layers * bs * mc.num_kv_heads // config.tensor_parallel_size * mc.head_dim * itemsize
         num_blocks = config.num_kvcache_blocks or int(config.kvcache_memory_gb * 2**30 // block_bytes) + 1
         usable_tokens = (num_blocks - 1) * bs
         model_len = config.max_model_len or mc.max_position_embeddings

@@ -20,6 +20,7 @@ from zipage_jax.config import CompressionConfig, EngineConfig
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, CompressionPlan
 from zipage_jax.engine.kv_state import KVState
 from zipage_jax.engine.scheduler import Chunk
+from zipage_jax.engine.sharding import TensorParallel, tensor_parallel
 from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn
 from zipage_jax.layers.sampler import SamplerFlags, SamplerOutput, SamplingBatch, SamplingRow, sample
 from zipage_jax.models.decoder import DecoderFns, split
@@ -32,21 +33,25 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("fns", "flags", "backend"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("fns", "flags", "backend", "tp"), donate_argnames=("kv",))
 def _forward_and_sample(fns: DecoderFns, params, kv: KVState, inputs: StepInputs, sampling: SamplingBatch, *,
-                        flags: SamplerFlags, backend: str) -> tuple[KVState, SamplerOutput]:
-    hidden, kv = fns.forward(params, inputs.tokens, inputs.positions, paged_attention_fn(inputs, backend), kv)
+                        flags: SamplerFlags, backend: str, tp: TensorParallel | None) -> tuple[KVState, SamplerOutput]:
+    hidden, kv = fns.forward(params, inputs.tokens, inputs.positions, paged_attention_fn(inputs, backend, tp), kv)
     last = jnp.take_along_axis(hidden, inputs.last_index[:, None, None], axis=1)[:, 0]  # [B, E]
-    return kv, sample(fns.logits(params, last), sampling, flags)
+    return (kv if tp is None else tp.constrain_kv(kv)), sample(fns.logits(params, last), sampling, flags)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("kv",))
 def _compress(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, *,
-              cfg: CompressionConfig, backend: str) -> KVState:
-    k, v, scores = compress(list(kv.k), list(kv.v), None if kv.scores is None else list(kv.scores),
-                            list(kv.queries), block_tables, num_blocks, query_ids, compressed, target_tables,
-                            cfg, backend)
-    return kv._replace(k=tuple(k), v=tuple(v), scores=None if scores is None else tuple(scores))
+              cfg: CompressionConfig, backend: str, tp: TensorParallel | None) -> KVState:
+    def step(kv: KVState, *tables) -> KVState:
+        k, v, scores = compress(list(kv.k), list(kv.v), None if kv.scores is None else list(kv.scores),
+                                list(kv.queries), *tables, cfg, backend)
+        return kv._replace(k=tuple(k), v=tuple(v), scores=None if scores is None else tuple(scores))
+
+    if tp is not None:  # each shard compresses its own kv heads: no collectives
+        step = tp.per_shard_kv(step, kv, num_replicated=5)
+    return step(kv, block_tables, num_blocks, query_ids, compressed, target_tables)
 
 
 @dataclass
@@ -63,6 +68,9 @@ class ModelRunner:
         self.config = config
         self.model_config = mc = loaded.config
         self.fns, self.params = split(loaded.model)
+        self.tp = tensor_parallel(config.tensor_parallel_size)
+        if self.tp is not None:
+            self.params = self.tp.place_params(self.params)
         self.block_size = config.kvcache_block_size
         self.query_cache_len = config.query_cache_len
         self.num_query_slots = num_query_slots
@@ -71,12 +79,14 @@ class ModelRunner:
         if backend == "auto":
             backend = "pallas" if jax.default_backend() == "gpu" else "xla"
         self.backend = backend
-        self.kv = KVState.zeros(
+        make_kv = functools.partial(
+            KVState.zeros,
             num_layers=mc.num_layers, num_blocks=num_blocks, block_size=self.block_size,
             num_kv_heads=mc.num_kv_heads, num_heads=mc.num_heads, head_dim=mc.head_dim,
             num_query_slots=num_query_slots, query_cache_len=self.query_cache_len,
             dtype=loaded.model.dtype, global_score=config.use_global_score,
         )
+        self.kv = make_kv() if self.tp is None else self.tp.make_kv(make_kv)
         self.compress_seconds = 0.0  # only measured when profile_compress is on
         self.profile_compress = False
 
@@ -105,7 +115,7 @@ class ModelRunner:
             compressed[i] = plan.seq.compressed
         start = time.perf_counter()
         self.kv = _compress(self.kv, tables, num_blocks, query_ids, compressed, targets, cfg=cfg,
-                            backend=self.backend)
+                            backend=self.backend, tp=self.tp)
         if self.profile_compress:
             jax.block_until_ready(self.kv)
             self.compress_seconds += time.perf_counter() - start
@@ -134,7 +144,7 @@ class ModelRunner:
         inputs = self._inputs(chunks)
         sampling, flags = SamplingBatch.build(rows, inputs.tokens.shape[0])
         self.kv, out = _forward_and_sample(self.fns, self.params, self.kv, inputs, sampling, flags=flags,
-                                           backend=self.backend)
+                                           backend=self.backend, tp=self.tp)
         return out
 
     def _inputs(self, chunks: list[Chunk]) -> StepInputs:

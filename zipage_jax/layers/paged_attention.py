@@ -4,7 +4,8 @@ prefill chunks attend over cached prefix blocks plus the chunk itself."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,9 @@ import jax.numpy as jnp
 from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_xla
 from pallas_kernels.prefill_attention import paged_prefill_attention
 from zipage_jax.engine.kv_state import KVState
+
+if TYPE_CHECKING:
+    from zipage_jax.engine.sharding import TensorParallel
 
 
 class StepInputs(NamedTuple):
@@ -24,8 +28,10 @@ class StepInputs(NamedTuple):
     last_index: jax.Array  # [B] int32, index in C of the token whose logits are sampled
 
 
-def paged_attention_fn(inputs: StepInputs, backend: str):
-    """An `attn_fn(layer, q, k, v, kv_state)` for the decoder; backend: xla | pallas | pallas-interpret."""
+def paged_attention_fn(inputs: StepInputs, backend: str, tp: TensorParallel | None = None):
+    """An `attn_fn(layer, q, k, v, kv_state)` for the decoder; backend: xla | pallas | pallas-interpret.
+
+    With `tp`, the Pallas decode kernel runs per shard on its heads (shard_map)."""
 
     def attn(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, state: KVState):
         # q: [B, C, Hq, D]; k, v: [B, C, Hkv, D]
@@ -38,7 +44,8 @@ def paged_attention_fn(inputs: StepInputs, backend: str):
             if backend == "xla":
                 out = paged_decode_attention_xla(*args)
             else:
-                out = paged_decode_attention(*args, interpret=backend == "pallas-interpret")
+                kernel = functools.partial(paged_decode_attention, interpret=backend == "pallas-interpret")
+                out = (kernel if tp is None else tp.per_shard_decode(kernel))(*args)
             out = out[:, None]
         else:
             out = paged_prefill_attention(q, k_pool, v_pool, inputs.block_tables, inputs.kv_lens)

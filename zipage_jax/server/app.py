@@ -15,9 +15,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from zipage_jax.chat import chat_prompt_ids
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
@@ -146,14 +146,10 @@ def _completion_prompts(prompt: str | list, tokenizer) -> list[list[int]]:
 def _chat_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
     if not body.messages:
         raise OpenAIError(400, "messages must not be empty", param="messages")
-    if not getattr(tokenizer, "chat_template", None):
-        raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    messages = [m.as_template_input() for m in body.messages]
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except (TemplateError, ValueError) as exc:
-        raise OpenAIError(400, f"the chat template rejected the messages: {exc}", param="messages") from exc
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_prompt_ids(tokenizer, [m.as_template_input() for m in body.messages])
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="messages") from exc
 
 
 def _max_tokens(prompt_len: int, requested: int | None, limit: int, default: int, prompt_param: str) -> int:

@@ -1,0 +1,305 @@
+"""Throughput at equal KV memory: full KV vs Zipage compression, back to back in one process.
+
+    python scripts/bench_throughput.py [--quick] [--json] [--requests 32] [--max-tokens 512]
+        [--prompt-len 32 256] [--model default] [engine options, e.g. --max-cache-blocks-per-seq 4]
+
+One workload (long greedy generations with `ignore_eos`, mixed prompt lengths cut from the
+standard library's argparse.py) and one KV pool (`--num-kvcache-blocks`, the same for both
+runs) are run twice: with full KV, and with compression to `--max-cache-blocks-per-seq`
+blocks under the recommended scoring (global score + pooling + lightning redundancy). The
+pool defaults to what compression needs to hold every request at once, so full KV holds
+only a few and preempts or queues the rest.
+
+Each run first warms up on the same prompts (a short, untimed generation that compiles the
+prefill and first decode shapes); shapes first met in the timed run are compiled there, and
+that compile time (JAX's compile events) is subtracted from the wall time and from the
+compaction time. Compactions are timed by blocking on each (`profile_compress`), so the
+compressed run never overlaps them with the host.
+
+The default preset is the 32-request measurement of issue 4 (about 30 minutes on a 2-core
+CPU); `--quick` is a scaled-down one (8 requests, a few minutes). The last line of `--json`
+is one JSON object: throughput_full, throughput_zipage, speedup, compress_time_share, the
+per-run figures under "full" / "zipage", and the workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+RECOMMENDED_SCORING = dict(use_global_score=True, enable_pooling=True, redundancy="lightning")
+
+
+@dataclass(frozen=True)
+class Workload:
+    requests: int
+    prompt_len_min: int
+    prompt_len_max: int
+    max_tokens: int
+    block_size: int
+    budget_blocks: int  # M: blocks kept per compressed sequence
+    pool_blocks: int | None = None  # None: (M + 1) per request, plus the dummy block
+    warmup_tokens: int = 8
+    seed: int = 0
+
+    @property
+    def num_pool_blocks(self) -> int:
+        return self.pool_blocks or self.requests * (self.budget_blocks + 1) + 1
+
+    def check(self) -> None:
+        if self.requests < 1 or self.max_tokens < 1 or self.warmup_tokens < 1:
+            raise ValueError("requests, max_tokens and warmup_tokens must be >= 1")
+        if not 1 <= self.prompt_len_min <= self.prompt_len_max:
+            raise ValueError(f"need 1 <= prompt_len_min <= prompt_len_max, "
+                             f"got {self.prompt_len_min}, {self.prompt_len_max}")
+        pool_tokens = (self.num_pool_blocks - 1) * self.block_size
+        longest = self.prompt_len_max + self.max_tokens
+        if longest > pool_tokens:
+            raise ValueError(f"the longest request ({longest} tokens) does not fit the pool of {pool_tokens} "
+                             "tokens with full KV: raise --num-kvcache-blocks or lower --max-tokens")
+
+
+PRESETS = {
+    # issue 4, item 7: 32 concurrent long generations; full KV holds about 4 of them at once
+    "default": Workload(requests=32, prompt_len_min=32, prompt_len_max=256, max_tokens=512, block_size=16,
+                        budget_blocks=4),
+    # a few minutes on a 2-core CPU; full KV holds about one request at once
+    "quick": Workload(requests=8, prompt_len_min=16, prompt_len_max=64, max_tokens=256, block_size=16,
+                      budget_blocks=2),
+}
+
+
+def make_prompts(tokenizer, workload: Workload) -> list[list[int]]:
+    """Mixed-length prompts, each a different window of real text (no shared prefixes)."""
+    import argparse as text_module
+
+    with open(text_module.__file__, encoding="utf-8") as f:
+        tokens = list(tokenizer(f.read())["input_ids"])
+    rng = np.random.default_rng(workload.seed)
+    lengths = np.linspace(workload.prompt_len_min, workload.prompt_len_max, workload.requests).round().astype(int)
+    rng.shuffle(lengths)
+    stride = max(1, (len(tokens) - workload.prompt_len_max) // workload.requests)
+    if len(tokens) < workload.prompt_len_max:
+        raise ValueError(f"the source text has only {len(tokens)} tokens")
+    return [tokens[i * stride:i * stride + n] for i, n in enumerate(lengths)]
+
+
+class CompileTimer:
+    """Wall time spent tracing, lowering and compiling (JAX compile events), by function."""
+
+    PREFIX = "/jax/core/compile/"
+
+    def __init__(self):
+        self.spans: list[tuple[float, float, str]] = []
+
+    def __enter__(self) -> "CompileTimer":
+        from jax import monitoring
+
+        monitoring.register_event_time_span_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from jax import monitoring
+
+        monitoring.unregister_event_time_span_listener(self._listen)
+
+    def _listen(self, event: str, start: float, end: float, **kwargs) -> None:
+        if event.startswith(self.PREFIX):
+            self.spans.append((start, end, str(kwargs.get("fun_name", ""))))
+
+    def intervals(self) -> list[tuple[float, float, str]]:
+        """Disjoint intervals, each named by the outermost function compiled in it."""
+        merged: list[list] = []
+        for start, end, name in sorted(self.spans):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end, name])
+        return [tuple(m) for m in merged]
+
+    def seconds(self, name_contains: str = "") -> float:
+        return sum(end - start for start, end, name in self.intervals() if name_contains in name)
+
+
+def engine_config(model: str, workload: Workload, compressed: bool, options: dict):
+    from zipage_jax import EngineConfig
+
+    base = dict(max_num_seqs=workload.requests, max_model_len=workload.prompt_len_max + workload.max_tokens)
+    base.update(options)
+    base.update(model=model, kvcache_block_size=workload.block_size, num_kvcache_blocks=workload.num_pool_blocks)
+    if compressed:
+        base = {**RECOMMENDED_SCORING, **base, "max_cache_blocks_per_seq": workload.budget_blocks}
+    else:
+        base["max_cache_blocks_per_seq"] = None
+    return EngineConfig.from_options(**base)
+
+
+def run_once(engine, prompts: list[list[int]], max_tokens: int, sample: bool = True) -> dict:
+    """Drives the engine to completion; samples its stats after every step."""
+    from zipage_jax import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    running: list[int] = []
+    finished: dict[str, dict] = {}
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.to_dict()
+        if sample:
+            running.append(engine.get_stats().num_running)
+    wall = time.perf_counter() - start
+    results = [finished[i] for i in ids]
+    lengths = {len(r["token_ids"]) for r in results}
+    if lengths != {max_tokens}:
+        raise RuntimeError(f"expected {max_tokens} tokens per request with ignore_eos, got lengths {sorted(lengths)}")
+    return {"wall": wall, "running": running, "results": results}
+
+
+def bench_mode(loaded, model: str, workload: Workload, prompts: list[list[int]], compressed: bool,
+               options: dict, log=None) -> dict:
+    """One run (after its warm-up) on a fresh engine sharing the loaded model."""
+    from zipage_jax.engine.llm_engine import LLMEngine
+
+    config = engine_config(model, workload, compressed, options)
+    name = "zipage" if compressed else "full"
+    warm = LLMEngine(engine_config(model, workload, compressed, options), loaded=loaded)
+    t = time.perf_counter()
+    run_once(warm, prompts, workload.warmup_tokens, sample=False)
+    warmup_seconds = time.perf_counter() - t
+    del warm
+    engine = LLMEngine(config, loaded=loaded)
+    engine.runner.profile_compress = True
+    with CompileTimer() as compiles:
+        run = run_once(engine, prompts, workload.max_tokens)
+    stats = engine.get_stats()
+    compile_seconds = compiles.seconds()
+    wall = run["wall"] - compile_seconds
+    compress_seconds = max(0.0, engine.runner.compress_seconds - compiles.seconds("compress"))
+    output_tokens = sum(len(r["token_ids"]) for r in run["results"])
+    running = run["running"]
+    row = {
+        "throughput": output_tokens / wall,
+        "output_tokens": output_tokens,
+        "wall_seconds": wall,
+        "compile_seconds_excluded": compile_seconds,
+        "warmup_seconds": warmup_seconds,
+        "steps": len(running),
+        "mean_running": float(np.mean(running)),
+        "peak_running": int(max(running)),
+        "preemptions": stats.num_preemptions,
+        "compressions": stats.num_compressions,
+        "kv_tokens_evicted": stats.kv_tokens_evicted,
+        "compress_seconds": compress_seconds,
+        "compress_time_share": compress_seconds / wall,
+        "decode_seconds": stats.decode_seconds,
+        "prefill_seconds": stats.prefill_seconds,
+        "prefill_tokens": stats.prefill_tokens,
+        "kv_blocks_peak_max": max(r["metrics"]["kv_blocks_peak"] for r in run["results"]),
+        "query_slots": stats.num_query_slots if compressed else None,
+    }
+    if engine.block_manager.num_free_blocks != engine.block_manager.num_usable_blocks:
+        raise RuntimeError(f"{name}: KV blocks leaked after the run")
+    if log:
+        log(f"{name:>6}: {row['throughput']:.1f} tok/s, running mean {row['mean_running']:.1f} peak "
+            f"{row['peak_running']}, preemptions {row['preemptions']}, compressions {row['compressions']}, "
+            f"compress share {100 * row['compress_time_share']:.1f}%, wall {wall:.1f}s "
+            f"(+{compile_seconds:.1f}s compile excluded, {warmup_seconds:.1f}s warm-up)")
+    return row
+
+
+def run_benchmark(workload: Workload, model: str = "default", options: dict | None = None, loaded=None,
+                  log=None) -> dict:
+    """Full KV, then Zipage, on the same workload and pool. Returns the summary dict."""
+    from zipage_jax.models.loading import load_model
+
+    options = dict(options or {})
+    workload.check()
+    loaded = loaded or load_model(model, dtype=options.get("dtype"))
+    prompts = make_prompts(loaded.tokenizer, workload)
+    mean_len = float(np.mean([len(p) for p in prompts])) + workload.max_tokens
+    pool_tokens = (workload.num_pool_blocks - 1) * workload.block_size
+    full = bench_mode(loaded, model, workload, prompts, False, options, log)
+    zipage = bench_mode(loaded, model, workload, prompts, True, options, log)
+    return {
+        "throughput_full": full["throughput"],
+        "throughput_zipage": zipage["throughput"],
+        "speedup": zipage["throughput"] / full["throughput"],
+        "compress_time_share": zipage["compress_time_share"],
+        "mean_running_full": full["mean_running"],
+        "mean_running_zipage": zipage["mean_running"],
+        "peak_running_full": full["peak_running"],
+        "peak_running_zipage": zipage["peak_running"],
+        "preemptions_full": full["preemptions"],
+        "preemptions_zipage": zipage["preemptions"],
+        "budget_tokens": workload.budget_blocks * workload.block_size,
+        "pool_blocks": workload.num_pool_blocks,
+        "pool_tokens": pool_tokens,
+        "full_kv_capacity_seqs": pool_tokens / mean_len,  # requests of mean final length the pool holds
+        "model": str(loaded.source),
+        "scoring": RECOMMENDED_SCORING,
+        "options": options,
+        "workload": asdict(workload),
+        "full": full,
+        "zipage": zipage,
+    }
+
+
+def parse_args(argv: list[str] | None):
+    from zipage_jax.cli_options import add_engine_arguments, engine_options
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the scaled-down preset (a few minutes on a CPU)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--requests", type=int)
+    parser.add_argument("--max-tokens", type=int, help="tokens generated per request")
+    parser.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    parser.add_argument("--warmup-tokens", type=int)
+    add_engine_arguments(parser)  # --model, --kvcache-block-size, --num-kvcache-blocks, --max-cache-blocks-per-seq...
+    args = parser.parse_args(argv)
+    options = engine_options(args)
+    preset = PRESETS["quick" if args.quick else "default"]
+    overrides = {
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "warmup_tokens": args.warmup_tokens,
+        "prompt_len_min": args.prompt_len[0] if args.prompt_len else None,
+        "prompt_len_max": args.prompt_len[1] if args.prompt_len else None,
+        "block_size": options.pop("kvcache_block_size", None),
+        "pool_blocks": options.pop("num_kvcache_blocks", None),
+        "budget_blocks": options.pop("max_cache_blocks_per_seq", None),
+    }
+    fields = {k: v for k, v in overrides.items() if v is not None}
+    workload = Workload(**{**asdict(preset), **fields})
+    model = options.pop("model", None) or "default"
+    return args, workload, model, options
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, workload, model, options = parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    workload.check()
+    log(f"workload: {workload.requests} requests, prompts {workload.prompt_len_min}-{workload.prompt_len_max} "
+        f"tokens, {workload.max_tokens} generated each; pool {workload.num_pool_blocks} blocks of "
+        f"{workload.block_size}; budget {workload.budget_blocks} blocks")
+    summary = run_benchmark(workload, model, options, log=log)
+    log(f"speedup {summary['speedup']:.2f}x (full {summary['throughput_full']:.1f} tok/s, zipage "
+        f"{summary['throughput_zipage']:.1f} tok/s), compress time share "
+        f"{100 * summary['compress_time_share']:.2f}%, full KV holds ~{summary['full_kv_capacity_seqs']:.1f} "
+        f"requests at once")
+    print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Compressed PagedAttention in the engine, on the real default model (SmolLM2-135M)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zipage_jax import LLM, SamplingParams
+
+BS = 16
+PROMPTS = ["The history of the Roman Empire begins", "def quicksort(items):", "Once upon a time, in a quiet village,"]
+
+
+def greedy(max_tokens: int, kv_budget: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, kv_budget=kv_budget)
+
+
+def make_llm(**options) -> LLM:
+    defaults = dict(kvcache_block_size=BS, num_kvcache_blocks=96, max_num_seqs=8, max_num_batched_tokens=256,
+                    query_cache_len=8, use_global_score=True, enable_pooling=True, redundancy="lightning")
+    return LLM("default", **{**defaults, **options})
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return make_llm()
+
+
+def test_long_generation_stays_within_budget(llm):
+    budget = 2 * BS  # M = 2 blocks: at most 3 blocks held
+    out = llm.generate([PROMPTS[0]], greedy(8 * budget + 7, kv_budget=budget), use_tqdm=False)[0]
+    m = out["metrics"]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 8 * budget + 7
+    assert m["kv_blocks_peak"] == 3
+    computed = m["prompt_tokens"] + m["completion_tokens"] - 1  # the last token's K/V is never computed
+    # slots fill to (M+1)*BS; each further block's worth of tokens first compacts back to M*BS
+    assert m["num_compressions"] == -(-(computed - budget - BS) // BS)
+    assert m["kv_tokens_evicted"] == m["num_compressions"] * BS
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_usable_blocks
+
+
+def test_budget_larger_than_generation_is_full_kv(llm):
+    full = llm.generate(PROMPTS, greedy(40, kv_budget=0), use_tqdm=False)
+    roomy = llm.generate(PROMPTS, greedy(40, kv_budget=8 * BS), use_tqdm=False)
+    assert [o["token_ids"] for o in roomy] == [o["token_ids"] for o in full]
+    assert all(o["metrics"]["num_compressions"] == 0 for o in roomy)
+
+
+def test_mixed_batch_gives_each_request_its_solo_output(llm):
+    params = [greedy(60, kv_budget=0), greedy(60, kv_budget=2 * BS), greedy(60, kv_budget=3 * BS)]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0]["token_ids"] for p, sp in zip(PROMPTS, params)]
+    together = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o["token_ids"] for o in together] == alone
+    assert together[0]["metrics"]["num_compressions"] == 0
+    assert together[1]["metrics"]["num_compressions"] > 0
+
+
+def test_prefix_caching_does_not_change_compressed_output(llm):
+    prompt = "Summarise the following text. " * 6  # several full blocks, shared by both requests
+    params = greedy(70, kv_budget=2 * BS)
+    cached = make_llm(enable_prefix_caching=True)
+    first = cached.generate([prompt], params, use_tqdm=False)[0]
+    second = cached.generate([prompt], params, use_tqdm=False)[0]
+    plain = make_llm(enable_prefix_caching=False).generate([prompt], params, use_tqdm=False)[0]
+    assert second["metrics"]["cached_prompt_tokens"] > 0
+    assert second["metrics"]["num_compressions"] > 0
+    assert first["token_ids"] == second["token_ids"] == plain["token_ids"]
+
+
+def test_many_compressing_requests_in_a_tiny_pool(llm):
+    tiny = make_llm(num_kvcache_blocks=17, max_num_seqs=8, max_cache_blocks_per_seq=1)  # 16 usable blocks
+    prompts = [f"Story number {i}: the" for i in range(8)]
+    outs = tiny.generate(prompts, greedy(50), use_tqdm=False)
+    assert all(len(o["token_ids"]) == 50 for o in outs)
+    assert all(o["metrics"]["kv_blocks_peak"] <= 2 for o in outs)
+    assert all(o["metrics"]["num_compressions"] >= 2 for o in outs)
+    bm = tiny.engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    stats = tiny.engine.get_stats()
+    assert stats.num_compressions == sum(o["metrics"]["num_compressions"] for o in outs)

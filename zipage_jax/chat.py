@@ -1,0 +1,23 @@
+"""Chat messages to prompt token ids with the tokenizer's chat template."""
+
+from __future__ import annotations
+
+from jinja2 import TemplateError
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` rendered with the model's template plus the generation prompt.
+
+    Raises ValueError naming the problem (empty messages, no template, template rejection)."""
+    if not messages:
+        raise ValueError("messages is empty")
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template")
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except TemplateError as exc:
+        raise ValueError(f"the chat template rejected the messages: {exc}") from exc
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

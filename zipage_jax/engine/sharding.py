@@ -1,0 +1,184 @@
+"""Tensor parallelism over a one-axis `tp` device mesh, and multi-process start-up.
+
+Megatron-style layout, expressed as NamedShardings so XLA's SPMD partitioner does the rest:
+  q/k/v_proj, gate/up_proj   kernel [E, out] split on out (whole heads), bias on out
+  o_proj, down_proj          kernel [in, E] split on in; their outputs are the only all-reduces
+  embeddings, norms, biases of o/down                   replicated
+  KV pool k, v [NB, BS, Hkv, D], score cache [NB, BS, Hkv]  split on Hkv
+  query cache [slots + 1, QL, Hq, D]                        split on Hq
+Shard s holds kv heads [s*Hkv/N, (s+1)*Hkv/N) and query heads [s*Hq/N, (s+1)*Hq/N): exactly
+the query heads of its kv heads (GQA groups are contiguous), so attention is local. When
+Hkv < N (and N divides Hq and Hkv divides N) every kv head is repeated N/Hkv times, as vLLM
+does: the model becomes one with N kv heads, one per shard.
+
+Compression runs under shard_map: every shard scores, selects and compacts its own kv heads
+(scores and top-k are per kv head), so it has no collectives at all. The Pallas decode kernel
+also needs shard_map (a pallas_call cannot be partitioned); the XLA attention is partitioned
+by XLA along the head axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from zipage_jax.engine.kv_state import KVState
+from zipage_jax.models.config import ModelConfig
+from zipage_jax.models.loading import LoadedModel
+from zipage_jax.models.weights import decoder_from_flat, flat_params
+
+TP = "tp"
+_COLUMN_PARALLEL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+_ROW_PARALLEL = {"o_proj", "down_proj"}
+_HEADS = P(None, None, TP, None)  # k, v pools and the query cache: [N0, N1, heads, D]
+_SCORE_HEADS = P(None, None, TP)  # score cache [NB, BS, Hkv]
+
+logger = logging.getLogger("zipage_jax")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The mesh and the placement rules; hashable, so it is a static argument of the jitted steps."""
+
+    mesh: Mesh
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[TP]
+
+    def param_shardings(self, params):
+        """A NamedSharding per parameter of an nnx.State, chosen by module name."""
+        return jax.tree_util.tree_map_with_path(lambda path, _: NamedSharding(self.mesh, param_spec(path)), params)
+
+    def place_params(self, params):
+        return _place(params, self.param_shardings(params))
+
+    def kv_specs(self, kv: KVState) -> KVState:
+        return KVState(
+            k=tuple(_HEADS for _ in kv.k), v=tuple(_HEADS for _ in kv.v),
+            queries=tuple(_HEADS for _ in kv.queries),
+            scores=None if kv.scores is None else tuple(_SCORE_HEADS for _ in kv.scores),
+        )
+
+    def kv_shardings(self, kv: KVState) -> KVState:
+        return jax.tree_util.tree_map(lambda spec: NamedSharding(self.mesh, spec), self.kv_specs(kv),
+                                      is_leaf=lambda x: isinstance(x, P))
+
+    def make_kv(self, make: Callable[[], KVState]) -> KVState:
+        """Builds the zero KV state directly sharded (the whole pool never sits on one device)."""
+        return jax.jit(make, out_shardings=self.kv_shardings(jax.eval_shape(make)))()
+
+    def constrain_kv(self, kv: KVState) -> KVState:
+        """Inside jit: pins the returned KV state to its input layout (steady jit cache keys)."""
+        return jax.lax.with_sharding_constraint(kv, self.kv_shardings(kv))
+
+    def per_shard_kv(self, fn: Callable, kv: KVState, num_replicated: int) -> Callable:
+        """shard_map of `fn(kv, *replicated) -> kv`: fn sees each shard's heads only."""
+        specs = self.kv_specs(kv)
+        # check_vma off: Pallas calls inside do not carry varying-axis types.
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(specs,) + (P(),) * num_replicated, out_specs=specs,
+                             check_vma=False)
+
+    def per_shard_decode(self, kernel: Callable) -> Callable:
+        """shard_map of a decode kernel(q [B, Hq, D], k_pool, v_pool, block_tables, lens) -> [B, Hq, D]."""
+        q_spec = P(None, TP, None)
+        return jax.shard_map(kernel, mesh=self.mesh, in_specs=(q_spec, _HEADS, _HEADS, P(), P()),
+                             out_specs=q_spec, check_vma=False)
+
+
+def param_spec(path: tuple) -> P:
+    """PartitionSpec of the parameter at an nnx.State path (..., module, "kernel" | "bias")."""
+    names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    names = [n for n in names if n != "value"]
+    module, leaf = names[-2], names[-1]
+    if module in _COLUMN_PARALLEL:
+        return P(None, TP) if leaf == "kernel" else P(TP)
+    if module in _ROW_PARALLEL and leaf == "kernel":
+        return P(TP, None)
+    return P()
+
+
+def tensor_parallel(size: int) -> TensorParallel | None:
+    """The `tp` mesh over the first `size` devices (all processes'); None for size 1."""
+    if size == 1:
+        return None
+    devices = jax.devices()
+    if size > len(devices):
+        hint = (f"; on CPU start Python with XLA_FLAGS=--xla_force_host_platform_device_count={size}"
+                if jax.default_backend() == "cpu" else "")
+        raise ValueError(f"tensor_parallel_size {size} needs {size} devices, but JAX sees {len(devices)} "
+                         f"{jax.default_backend()} device(s){hint}")
+    return TensorParallel(Mesh(np.array(devices[:size]), (TP,)))
+
+
+def check_divisible(cfg: ModelConfig, size: int) -> int:
+    """ValueError unless the model splits over `size` shards; returns how often each kv head is repeated."""
+    if cfg.num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the number of attention heads "
+                         f"({cfg.num_heads}); try one of {_divisors(cfg.num_heads)}")
+    if cfg.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} must divide the MLP intermediate size "
+                         f"({cfg.intermediate_size})")
+    if cfg.num_kv_heads % size == 0:
+        return 1
+    if size % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {size} and the {cfg.num_kv_heads} kv heads must divide one another "
+                         f"(kv heads are split when there are more, repeated when there are fewer)")
+    return size // cfg.num_kv_heads
+
+
+def shard_ready(loaded: LoadedModel, size: int) -> LoadedModel:
+    """The model to shard over `size` devices: itself, or a copy with each kv head repeated.
+
+    Repeating kv head h as heads h*r .. h*r + r-1 keeps every query head with its own kv
+    head (query head i used kv head i // G; it now uses i // (G/r), a copy of it)."""
+    repeats = check_divisible(loaded.config, size)
+    if repeats == 1:
+        return loaded
+    cfg = dataclasses.replace(loaded.config, num_kv_heads=loaded.config.num_kv_heads * repeats)
+    logger.info("tensor_parallel_size %d > %d kv heads: each kv head is repeated %d times", size,
+                loaded.config.num_kv_heads, repeats)
+    flat = {}
+    for key, value in flat_params(loaded.model).items():
+        if key.endswith(("k_proj.kernel", "v_proj.kernel", "k_proj.bias", "v_proj.bias")):
+            heads = value.reshape(value.shape[:-1] + (loaded.config.num_kv_heads, cfg.head_dim))
+            value = heads.repeat(repeats, axis=-2).reshape(value.shape[:-1] + (-1,))
+        flat[key] = value
+    return dataclasses.replace(loaded, config=cfg, model=decoder_from_flat(cfg, loaded.model.dtype, flat))
+
+
+def initialize_distributed(coordinator_address: str | None, num_processes: int | None,
+                           process_id: int | None) -> None:
+    """jax.distributed.initialize for a multi-process run (CPU collectives over gloo); call before
+    anything touches a JAX device. Does nothing when no coordinator is given."""
+    if coordinator_address is None:
+        if num_processes not in (None, 1) or process_id not in (None, 0):
+            raise ValueError("--num-processes and --process-id need --coordinator-address")
+        return
+    if num_processes is None or process_id is None:
+        raise ValueError("--coordinator-address needs --num-processes and --process-id")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process id must be in [0, {num_processes}), got {process_id}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+
+
+def _place(tree, shardings):
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+    # Every process holds the whole (identical) value; each builds its own devices' shards.
+    def place(x, sharding):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.tree_util.tree_map(place, tree, shardings)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
