@@ -15,7 +15,7 @@ import sys
 
 import uvicorn
 
-from zipage_jax.cli_options import add_engine_arguments, engine_options
+from zipage_jax.cli_options import add_distributed_arguments, add_engine_arguments, engine_options, start_distributed
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.server import create_app
@@ -29,11 +29,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="model name(s) clients use (default: the --model argument)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_engine_arguments(parser)
+    add_distributed_arguments(parser)
     args = parser.parse_args(argv)
+    if (args.num_processes or 1) > 1:
+        parser.error("the server runs its engine in one process (use --tensor-parallel-size over this host's "
+                     "devices); multi-process runs: python -m zipage_jax generate")
     options = engine_options(args)
     options.setdefault("model", "default")
     try:
         EngineConfig.from_options(**options)  # bad flags fail here, before binding the port
+        start_distributed(args)
     except ValueError as exc:
         parser.error(str(exc))
 

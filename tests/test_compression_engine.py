@@ -54,16 +54,31 @@ def test_mixed_batch_gives_each_request_its_solo_output(llm):
     assert together[1]["metrics"]["num_compressions"] > 0
 
 
-def test_prefix_caching_does_not_change_compressed_output(llm):
-    prompt = "Summarise the following text. " * 6  # several full blocks, shared by both requests
+def run_two_overlapping(llm: LLM, prompt: str, params: SamplingParams) -> list:
+    """The second request arrives once the first has prefilled, so it can share its prompt blocks."""
+    engine = llm.engine
+    first = engine.add_request(prompt, params)
+    engine.step()
+    second = engine.add_request(prompt, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o.outputs[0]
+    return [outs[first], outs[second]]
+
+
+def test_prefix_caching_does_not_change_compressed_output():
+    prompt = "Summarise the following text. " * 6  # two full blocks, shared by both requests
     params = greedy(70, kv_budget=2 * BS)
     cached = make_llm(enable_prefix_caching=True)
-    first = cached.generate([prompt], params, use_tqdm=False)[0]
-    second = cached.generate([prompt], params, use_tqdm=False)[0]
-    plain = make_llm(enable_prefix_caching=False).generate([prompt], params, use_tqdm=False)[0]
-    assert second["metrics"]["cached_prompt_tokens"] > 0
-    assert second["metrics"]["num_compressions"] > 0
-    assert first["token_ids"] == second["token_ids"] == plain["token_ids"]
+    first, second = run_two_overlapping(cached, prompt, params)
+    plain_first, plain_second = run_two_overlapping(make_llm(enable_prefix_caching=False), prompt, params)
+    assert second.metrics["cached_prompt_tokens"] == 2 * BS
+    assert plain_second.metrics["cached_prompt_tokens"] == 0
+    assert second.metrics["num_compressions"] > 0 and first.metrics["num_compressions"] > 0
+    assert first.token_ids == second.token_ids == plain_first.token_ids == plain_second.token_ids
+    bm = cached.engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
 
 
 def test_many_compressing_requests_in_a_tiny_pool(llm):

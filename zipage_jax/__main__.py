@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from zipage_jax.cli_options import add_engine_arguments, engine_options
+from zipage_jax.cli_options import add_distributed_arguments, add_engine_arguments, engine_options, start_distributed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,16 +18,17 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--kv-budget", type=int, default=None, help="per-request KV budget in tokens (0 = full KV)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_arguments(gen)
+    add_distributed_arguments(gen)
     args = parser.parse_args(argv)
 
     from zipage_jax import LLM, SamplingParams
 
     try:
+        start_distributed(args)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, kv_budget=args.kv_budget)
         llm = LLM(**engine_options(args))

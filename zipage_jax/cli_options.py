@@ -21,6 +21,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=_parser_for(kind), default=None, metavar=f.name.upper())
 
 
+def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
+    """--coordinator-address, --num-processes, --process-id: this process's place in a jax.distributed run."""
+    group = parser.add_argument_group("multi-process (jax.distributed; every process runs the same command)")
+    group.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address, the same in all")
+    group.add_argument("--num-processes", type=int, metavar="N")
+    group.add_argument("--process-id", type=int, metavar="I", help="0 .. N-1")
+
+
+def start_distributed(args: argparse.Namespace) -> None:
+    """jax.distributed.initialize from the flags (nothing without --coordinator-address)."""
+    from zipage_jax.engine.sharding import initialize_distributed
+
+    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """The flags that were given, as EngineConfig keyword arguments."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)

@@ -114,6 +114,9 @@ def tensor_parallel(size: int) -> TensorParallel | None:
                 if jax.default_backend() == "cpu" else "")
         raise ValueError(f"tensor_parallel_size {size} needs {size} devices, but JAX sees {len(devices)} "
                          f"{jax.default_backend()} device(s){hint}")
+    if jax.process_count() > 1 and size != len(devices):
+        raise ValueError(f"with {jax.process_count()} processes, tensor_parallel_size must span all "
+                         f"{len(devices)} devices (every process runs the engine on its own devices), got {size}")
     return TensorParallel(Mesh(np.array(devices[:size]), (TP,)))
 
 
@@ -122,15 +125,13 @@ def check_divisible(cfg: ModelConfig, size: int) -> int:
     if cfg.num_heads % size:
         raise ValueError(f"tensor_parallel_size {size} must divide the number of attention heads "
                          f"({cfg.num_heads}); try one of {_divisors(cfg.num_heads)}")
+    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {size} and the {cfg.num_kv_heads} kv heads must divide one another "
+                         f"(kv heads are split when there are more, repeated when there are fewer)")
     if cfg.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size {size} must divide the MLP intermediate size "
                          f"({cfg.intermediate_size})")
-    if cfg.num_kv_heads % size == 0:
-        return 1
-    if size % cfg.num_kv_heads:
-        raise ValueError(f"tensor_parallel_size {size} and the {cfg.num_kv_heads} kv heads must divide one another "
-                         f"(kv heads are split when there are more, repeated when there are fewer)")
-    return size // cfg.num_kv_heads
+    return max(1, size // cfg.num_kv_heads)
 
 
 def shard_ready(loaded: LoadedModel, size: int) -> LoadedModel:

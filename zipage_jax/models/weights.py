@@ -27,7 +27,7 @@ def _abstract(cfg: ModelConfig, dtype: jnp.dtype) -> tuple[nnx.GraphDef, nnx.Sta
 
 def param_shapes(cfg: ModelConfig, dtype: jnp.dtype) -> dict[str, jax.ShapeDtypeStruct]:
     """param_key -> shape and dtype, placed on the default device."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])  # this process's (multi-process runs)
     return {
         param_key(path): jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=device)
         for path, var in nnx.to_flat_state(_abstract(cfg, dtype)[1])

@@ -1,0 +1,132 @@
+"""Eviction policies beyond the reference (zipage_jax/compress/policies.py): jnp vs numpy."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from compress_cases import NUM_KV_HEADS, make_case, spec_scores
+from zipage_jax.compress.scoring import score_layer
+from zipage_jax.compress.step import compress
+from zipage_jax.config import CompressionConfig, EngineConfig
+
+TOL = 1e-5
+
+CASES = {  # (config, query heads per kv head)
+    "window": (CompressionConfig(budget_blocks=2, block_size=16, query_cache_len=4, eviction_policy="window"), 2),
+    "window_global_pool_sinks": (CompressionConfig(
+        budget_blocks=3, block_size=16, query_cache_len=8, use_global_score=True, enable_pooling=True, sink_len=2,
+        recent_fraction=0.25, eviction_policy="window"), 3),
+    "window_lightning": (CompressionConfig(
+        budget_blocks=2, block_size=32, query_cache_len=8, redundancy="lightning", recent_fraction=0.0,
+        eviction_policy="window"), 1),
+    "vnorm_window": (CompressionConfig(
+        budget_blocks=2, block_size=16, query_cache_len=8, recent_fraction=0.3, eviction_policy="vnorm-window"), 2),
+}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _score(k_pool, v_pool, queries, block_tables, num_blocks, compressed, score_cache, cfg):
+    return score_layer(k_pool, queries, block_tables, num_blocks, compressed, score_cache, cfg, "xla", v_pool)
+
+
+def _numpy_policy(case, cfg, b, n):
+    """The policy one sequence at a time: the reference stages from the numpy spec, value norms,
+    then sinks and the recent window. Returns (final, keep), each [Hkv, T]."""
+    reference = dataclasses.replace(cfg, eviction_policy="zipage", sink_len=0)
+    blocks = case.block_tables[b, :n]
+    t_len = n * cfg.block_size
+    if cfg.eviction_policy == "vnorm-window":
+        # the weighting comes before every other stage: only the attention-only pipeline is checked
+        assert not (cfg.use_global_score or cfg.enable_pooling or cfg.redundancy != "none")
+        values = case.v_pool[blocks].astype(np.float64).reshape(t_len, NUM_KV_HEADS, -1)
+        score = spec_scores(case, reference).attn[b] * np.linalg.norm(values, axis=-1).T
+    else:
+        spec = spec_scores(case, reference)
+        score = next(s[b] for s in (spec.pooled, spec.global_score, spec.attn) if s[b] is not None).copy()
+        if cfg.redundancy != "none":
+            score = score * cfg.redundancy_lambda - spec.redundancy[b] * (1 - cfg.redundancy_lambda)
+    sinks = cfg.sink_len or 4
+    recent = max(cfg.query_cache_len, int(cfg.recent_fraction * cfg.budget_tokens))
+    pos = np.arange(t_len)
+    final = np.where((pos < sinks) | (pos >= t_len - recent), np.inf, score)
+    keep = np.zeros_like(final, bool)
+    for h in range(NUM_KV_HEADS):
+        keep[h, np.argsort(-final[h], kind="stable")[: cfg.budget_tokens]] = True
+    return final, keep
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_policy_matches_numpy(name):
+    cfg, group = CASES[name]
+    case = make_case(5, cfg, group)
+    stages, _ = _score(jnp.asarray(case.k_pool), jnp.asarray(case.v_pool), jnp.asarray(case.query_cache[case.query_ids]),
+                       jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks), jnp.asarray(case.compressed),
+                       jnp.asarray(case.score_cache) if cfg.use_global_score else None, cfg)
+    final_all, keep_all = np.asarray(stages.final), np.asarray(stages.keep)
+    for b, n in enumerate(case.num_blocks):
+        if n == 0:
+            assert not keep_all[b].any() and (final_all[b] == -np.inf).all()
+            continue
+        final = final_all[b, :, :n].reshape(NUM_KV_HEADS, -1)
+        keep = keep_all[b, :, :n].reshape(NUM_KV_HEADS, -1)
+        ref_final, ref_keep = _numpy_policy(case, cfg, b, int(n))
+        np.testing.assert_array_equal(np.isinf(final), np.isinf(ref_final))
+        np.testing.assert_allclose(final, ref_final, rtol=0, atol=TOL)
+        assert (keep.sum(axis=1) == cfg.budget_tokens).all()
+        np.testing.assert_array_equal(keep, ref_keep)  # random scores: no ties
+        assert not keep_all[b, :, n:].any()
+
+
+def test_window_keeps_the_recent_share_of_the_budget():
+    cfg, group = CASES["window"]
+    cfg = dataclasses.replace(cfg, recent_fraction=0.5)
+    case = make_case(6, cfg, group)
+    stages, _ = _score(jnp.asarray(case.k_pool), jnp.asarray(case.v_pool), jnp.asarray(case.query_cache[case.query_ids]),
+                       jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks), jnp.asarray(case.compressed),
+                       None, cfg)
+    for b, n in enumerate(case.num_blocks[case.num_blocks > 0]):
+        keep = np.asarray(stages.keep)[b, :, :n].reshape(NUM_KV_HEADS, -1)
+        assert keep[:, :4].all() and keep[:, -cfg.budget_tokens // 2:].all()
+
+
+@pytest.mark.parametrize("policy", ["window", "vnorm-window"])
+def test_compress_pallas_matches_xla(policy):
+    cfg = CompressionConfig(budget_blocks=2, block_size=16, query_cache_len=4, use_global_score=True,
+                            enable_pooling=True, eviction_policy=policy)
+    case = make_case(7, cfg, 2)
+    nan_free = lambda x: jnp.asarray(np.nan_to_num(x))  # noqa: E731  (compaction copies NaN padding bytes)
+    args = ([nan_free(case.k_pool)], [nan_free(case.v_pool)], [nan_free(case.score_cache)],
+            [jnp.asarray(case.query_cache)], jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks),
+            jnp.asarray(case.query_ids), jnp.asarray(case.compressed), jnp.asarray(case.target_tables), cfg)
+    xla = compress(*args, backend="xla")
+    pallas = compress(*args, backend="pallas-interpret")
+    for a, b in zip(jax.tree.leaves(xla), jax.tree.leaves(pallas)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def test_vnorm_needs_values():
+    cfg, group = CASES["vnorm_window"]
+    case = make_case(8, cfg, group)
+    with pytest.raises(ValueError, match="v_pool"):
+        score_layer(jnp.asarray(case.k_pool), jnp.asarray(case.query_cache[case.query_ids]),
+                    jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks), jnp.asarray(case.compressed),
+                    None, cfg)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(eviction_policy="h2o"), "eviction_policy"),
+    (dict(recent_fraction=1.0), "recent_fraction"),
+    (dict(recent_fraction=-0.1), "recent_fraction"),
+])
+def test_bad_policy_options_raise(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(kvcache_block_size=16, **options)
+
+
+def test_engine_config_passes_policy_options_on():
+    cfg = EngineConfig(kvcache_block_size=16, eviction_policy="vnorm-window", recent_fraction=0.25).compression(3)
+    assert (cfg.eviction_policy, cfg.recent_fraction, cfg.budget_tokens) == ("vnorm-window", 0.25, 48)
