@@ -70,8 +70,8 @@ PRESETS = {
     "default": Workload(requests=32, prompt_len_min=32, prompt_len_max=256, max_tokens=512, block_size=16,
                         budget_blocks=4),
     # a few minutes on a 2-core CPU; full KV holds about one request at once
-    "quick": Workload(requests=8, prompt_len_min=16, prompt_len_max=64, max_tokens=256, block_size=16,
-                      budget_blocks=2),
+    "quick": Workload(requests=6, prompt_len_min=16, prompt_len_max=48, max_tokens=224, block_size=16,
+                      budget_blocks=2, warmup_tokens=4),
 }
 
 
@@ -97,6 +97,7 @@ class CompileTimer:
 
     def __init__(self):
         self.spans: list[tuple[float, float, str]] = []
+        self.num_compiles = 0  # lowerings to MLIR: one per new shape (then compiled or read from disk)
 
     def __enter__(self) -> "CompileTimer":
         from jax import monitoring
@@ -111,6 +112,7 @@ class CompileTimer:
 
     def _listen(self, event: str, start: float, end: float, **kwargs) -> None:
         if event.startswith(self.PREFIX):
+            self.num_compiles += event.endswith("jaxpr_to_mlir_module_duration")
             self.spans.append((start, end, str(kwargs.get("fun_name", ""))))
 
     def intervals(self) -> list[tuple[float, float, str]]:
@@ -190,6 +192,7 @@ def bench_mode(loaded, model: str, workload: Workload, prompts: list[list[int]],
         "output_tokens": output_tokens,
         "wall_seconds": wall,
         "compile_seconds_excluded": compile_seconds,
+        "compiles_in_timed_run": compiles.num_compiles,
         "warmup_seconds": warmup_seconds,
         "steps": len(running),
         "mean_running": float(np.mean(running)),

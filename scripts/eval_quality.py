@@ -29,7 +29,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -43,8 +42,15 @@ POLICIES = {  # name -> engine options (full KV runs inside every engine with kv
     "streaming": dict(eviction_policy="streaming"),
     "zipage-attn": dict(eviction_policy="zipage"),
     "zipage": dict(eviction_policy="zipage", use_global_score=True, enable_pooling=True, redundancy="lightning"),
+    # issue 8 (zipage_jax/compress/policies.py)
+    "window": dict(eviction_policy="window"),
+    "window-25": dict(eviction_policy="window", recent_fraction=0.25),
+    "window-75": dict(eviction_policy="window", recent_fraction=0.75),
+    "window-pool": dict(eviction_policy="window", enable_pooling=True),
+    "window-global": dict(eviction_policy="window", use_global_score=True),
+    "vnorm-window": dict(eviction_policy="vnorm-window"),
 }
-DEFAULT_POLICIES = list(POLICIES)
+DEFAULT_POLICIES = ["full", "streaming", "zipage-attn", "zipage", "window", "vnorm-window"]
 BUDGETS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
 STDLIB_TEXTS = ("argparse.py", "pydoc_data/topics.py")  # source code; English documentation
 PROMPT_TOKENS = 16  # tokens prefilled before forcing starts
@@ -225,10 +231,10 @@ def reasoning_job(llm, length: int, seed: int = 0) -> Job:
     """A multi-turn conversation of word problems the model answers step by step with full KV
     (temperature 0.6, top-p 0.95, seeded) until `length` tokens; cached on disk by its inputs."""
     from zipage_jax import SamplingParams
+    from zipage_jax.models.param_cache import default_cache_dir
 
-    tok = llm.tokenizer
     key = hashlib.sha256(json.dumps([llm.engine.loaded.source, length, seed, PROBLEMS]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("ZIPAGE_JAX_CACHE", Path.home() / ".cache" / "zipage_jax")) / f"reasoning-{key}.json"
+    cache = default_cache_dir() / f"reasoning-{key}.json"
     if cache.is_file():
         data = json.loads(cache.read_text())
         ids, mask = data["ids"], data["mask"]
@@ -289,6 +295,23 @@ def run_batch(loaded, args, jobs: list[Job], budgets: list[int], policies: list[
     return results, time.perf_counter() - start
 
 
+def full_kv_results(loaded, args, jobs: list[Job]) -> tuple[list[JobResult], float]:
+    """Full KV does not depend on the policies: cached on disk by the model and the jobs."""
+    from zipage_jax.models.param_cache import default_cache_dir
+
+    key = hashlib.sha256(json.dumps([loaded.source, args.block_size, [(j.prompt, j.forced, j.free) for j in jobs]])
+                         .encode()).hexdigest()[:16]
+    cache = default_cache_dir() / f"eval-full-{key}.json"
+    if cache.is_file():
+        data = json.loads(cache.read_text())
+        return [JobResult(np.array(d["logprobs"]), d["generated"], d["text"]) for d in data], 0.0
+    results, seconds = run_batch(loaded, args, jobs, [0] * len(jobs), ["full"] * len(jobs))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps([{"logprobs": r.logprobs.tolist(), "generated": r.generated, "text": r.text}
+                                 for r in results]))
+    return results, seconds
+
+
 def nll(job: Job, result: JobResult) -> tuple[float, int]:
     mask = np.ones(len(job.forced), bool) if job.scored is None else job.scored
     return float(-result.logprobs[mask].sum()), int(mask.sum())
@@ -340,7 +363,7 @@ def evaluate(args) -> list[dict]:
     budgets = {f: _budget_tokens(f, context, args.block_size, args.query_cache_len) for f in args.budgets}
     log(f"{len(jobs)} jobs, context {context} tokens, budgets {budgets}")
 
-    full, seconds = run_batch(loaded, args, jobs, [0] * len(jobs), ["full"] * len(jobs))
+    full, seconds = full_kv_results(loaded, args, jobs)
     log(f"full KV: {seconds:.0f}s")
     rows = [summarise("full", 1.0, jobs, full, full)]
     policies = [p for p in args.policies if p != "full"]
@@ -417,8 +440,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                          str(Path.home() / ".cache" / "zipage_jax" / "jax_compilation_cache"))
     rows = evaluate(args)
     table = markdown_table(rows)
     print(table)

@@ -8,10 +8,9 @@ import logging
 import jax
 import numpy as np
 import pytest
-import torch
 
 from zipage_jax import LLM, SamplingParams
-from zipage_jax.crosscheck.reference import load_reference_model
+from zipage_jax.crosscheck.reference import load_reference_model, reference_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 8, 11, 64, 65, 66, 3, 9, 1, 2, 77, 31, 33, 12],
@@ -55,11 +54,7 @@ def expected(llm) -> list[list[int]]:
 def test_greedy_matches_transformers(llama_dir, expected):
     model = load_reference_model(str(llama_dir))
     for prompt, ours in zip(PROMPTS, expected):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
-                                 do_sample=False)
-        assert ours == out[0, len(prompt):].tolist()
+        assert ours == reference_greedy(model, prompt, 12)
 
 
 def test_batch_composition_does_not_change_greedy_output(llm, expected):

@@ -19,16 +19,18 @@ import logging  # noqa: E402
 import re  # noqa: E402
 
 import jax  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from zipage_jax import LLM  # noqa: E402
 from zipage_jax.crosscheck.tp import greedy_tokens  # noqa: E402
 from zipage_jax.engine import runner as runner_module  # noqa: E402
+from zipage_jax.models.weights import param_key  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 8, 11, 64, 65, 66, 3, 9, 1, 2, 77, 31, 33, 12], [300, 1, 2, 3], [7] * 37,
            [200, 201]]
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
                dtype="float32", compilation_cache_dir="")
-COLLECTIVES = re.compile(r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+COLLECTIVES = re.compile(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
 
 
 class StepRecorder:
@@ -51,15 +53,15 @@ class StepRecorder:
             return fn(*args, **kwargs)
         return wrapper
 
-    def collectives(self) -> dict[str, dict[str, int]]:
-        """Per recorded step: collective op name -> count in the compiled (partitioned) HLO."""
+    def collectives(self) -> dict[str, dict[str, list[str]]]:
+        """Per recorded step: collective op name -> the result shapes of its ops in the compiled HLO."""
         out = {}
         for kind, (fn, (args, kwargs)) in self.calls.items():
             hlo = fn.lower(*args, **kwargs).compile().as_text()
-            counts: dict[str, int] = {}
-            for op in COLLECTIVES.findall(hlo):
-                counts[op] = counts.get(op, 0) + 1
-            out[kind] = counts
+            ops: dict[str, list[str]] = {}
+            for shape, op in COLLECTIVES.findall(hlo):
+                ops.setdefault(op, []).append(shape.split("{")[0])
+            out[kind] = ops
         return out
 
 
@@ -83,8 +85,8 @@ def count_compiles(workload) -> int:
 
 def shardings(llm) -> dict[str, dict]:
     runner = llm.engine.runner
-    arrays = {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(runner.params)[0]}
-    arrays = {k.removesuffix(".value"): v for k, v in arrays.items() if "['layers'][0]" in k or "embed" in k}
+    arrays = {param_key(path): var[...] for path, var in nnx.to_flat_state(runner.params)}
+    arrays = {k: v for k, v in arrays.items() if k.startswith(("layers.0.", "embed_tokens."))}
     arrays.update({"kv.k[0]": runner.kv.k[0], "kv.v[0]": runner.kv.v[0], "kv.queries[0]": runner.kv.queries[0]})
     return {name: {"spec": [None if p is None else str(p) for p in x.sharding.spec], "shape": list(x.shape),
                    "shard_shape": list(x.addressable_shards[0].data.shape), "devices": len(x.sharding.device_set)}

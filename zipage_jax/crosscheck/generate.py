@@ -27,10 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from zipage_jax import LLM, SamplingParams
-    from zipage_jax.crosscheck.reference import load_reference_model
+    from zipage_jax.crosscheck.reference import load_reference_model, reference_greedy
 
     prompts = args.prompt or PROMPTS
     llm = LLM(args.model, dtype="float32", kvcache_block_size=args.kvcache_block_size)
@@ -39,12 +37,8 @@ def run(args: argparse.Namespace) -> int:
     reference = load_reference_model(str(llm.engine.loaded.source))
     report = {"identical": True, "tokens_compared": 0, "prompts": []}
     for prompt, mine in zip(prompts, ours):
-        ids = torch.tensor([llm.tokenizer(prompt)["input_ids"]])
-        with torch.inference_mode():
-            out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
-                                     min_new_tokens=args.new_tokens, do_sample=False,
-                                     pad_token_id=llm.tokenizer.eos_token_id)
-        theirs = out[0, ids.shape[1]:].tolist()
+        ids = llm.tokenizer(prompt)["input_ids"]
+        theirs = reference_greedy(reference, ids, args.new_tokens)
         divergence = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
         if divergence is None and len(mine) != len(theirs):
             divergence = min(len(mine), len(theirs))
@@ -54,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
                                   "transformers": theirs if divergence is not None else None})
         report["identical"] &= divergence is None
         status = "identical" if divergence is None else f"diverges at new token {divergence}"
-        print(f"{len(ids[0]):3d} prompt tokens, {len(mine)} new: {status}")
+        print(f"{len(ids):3d} prompt tokens, {len(mine)} new: {status}")
     if args.json:
         print(json.dumps(report))
     return 0 if report["identical"] else 1

@@ -17,3 +17,18 @@ def load_reference_model(source: str):
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return model.eval()
+
+
+def reference_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` of exactly `new_tokens` tokens, EOS not special (as with
+    ignore_eos: EOS may be generated and generation goes on; min_new_tokens would mask it)."""
+    import copy
+
+    import torch
+
+    ids = torch.tensor([prompt_ids])
+    config = copy.deepcopy(model.generation_config)
+    config.update(eos_token_id=None, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt_ids):].tolist()

@@ -16,7 +16,6 @@ from zipage_jax.engine.block_manager import BlockManager
 from zipage_jax.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from zipage_jax.engine.runner import ModelRunner, StepResult
 from zipage_jax.engine.scheduler import Scheduler
-from zipage_jax.engine.sharding import shard_ready
 from zipage_jax.engine.sequence import Sequence
 from zipage_jax.engine.stop_checker import StopChecker
 from zipage_jax.layers.sampler import SamplingRow
@@ -82,13 +81,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, **options):
         self.config = config = config or EngineConfig.from_options(**options)
         enable_compilation_cache(config.compilation_cache_dir)
-        self.loaded = shard_ready(loaded or load_model(config.model, dtype=config.dtype), config.tensor_parallel_size)
+        self.loaded = loaded or load_model(config.model, dtype=config.dtype)
         mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         bs = config.kvcache_block_size
         itemsize = np.dtype(self.loaded.model.dtype).itemsize
-        # per device: with tensor parallelism each device holds num_kv_heads / tp heads of every block
-        block_bytes = 2 * mc.num_layers * bs * mc.num_kv_heads // config.tensor_parallel_size * mc.head_dim * itemsize
+        kv_heads = -(-mc.num_kv_heads // config.tensor_parallel_size)  # per device (tensor parallelism)
+        block_bytes = 2 * mc.num_layers * bs * kv_heads * mc.head_dim * itemsize
         num_blocks = config.num_kvcache_blocks or int(config.kvcache_memory_gb * 2**30 // block_bytes) + 1
         usable_tokens = (num_blocks - 1) * bs
         model_len = config.max_model_len or mc.max_position_embeddings

@@ -20,7 +20,7 @@ from zipage_jax.config import CompressionConfig, EngineConfig
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, CompressionPlan
 from zipage_jax.engine.kv_state import KVState
 from zipage_jax.engine.scheduler import Chunk
-from zipage_jax.engine.sharding import TensorParallel, tensor_parallel
+from zipage_jax.engine.sharding import TensorParallel, shard_model
 from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn
 from zipage_jax.layers.sampler import SamplerFlags, SamplerOutput, SamplingBatch, SamplingRow, sample
 from zipage_jax.models.decoder import DecoderFns, split
@@ -44,12 +44,15 @@ def _forward_and_sample(fns: DecoderFns, params, kv: KVState, inputs: StepInputs
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("kv",))
 def _compress(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, *,
               cfg: CompressionConfig, backend: str, tp: TensorParallel | None) -> KVState:
-    def step(kv: KVState, *tables) -> KVState:
-        k, v, scores = compress(list(kv.k), list(kv.v), None if kv.scores is None else list(kv.scores),
-                                list(kv.queries), *tables, cfg, backend)
+    def step(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables) -> KVState:
+        queries = list(kv.queries)
+        if tp is not None:
+            queries, query_ids = tp.group_queries(queries, query_ids)
+        k, v, scores = compress(list(kv.k), list(kv.v), None if kv.scores is None else list(kv.scores), queries,
+                                block_tables, num_blocks, query_ids, compressed, target_tables, cfg, backend)
         return kv._replace(k=tuple(k), v=tuple(v), scores=None if scores is None else tuple(scores))
 
-    if tp is not None:  # each shard compresses its own kv heads: no collectives
+    if tp is not None:  # each shard compresses its own kv heads
         step = tp.per_shard_kv(step, kv, num_replicated=5)
     return step(kv, block_tables, num_blocks, query_ids, compressed, target_tables)
 
@@ -66,9 +69,9 @@ class StepResult:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, *, num_blocks: int, num_query_slots: int):
         self.config = config
+        loaded, self.tp = shard_model(loaded, config.tensor_parallel_size)
         self.model_config = mc = loaded.config
         self.fns, self.params = split(loaded.model)
-        self.tp = tensor_parallel(config.tensor_parallel_size)
         if self.tp is not None:
             self.params = self.tp.place_params(self.params)
         self.block_size = config.kvcache_block_size

@@ -12,7 +12,9 @@ Hkv < N (and N divides Hq and Hkv divides N) every kv head is repeated N/Hkv tim
 does: the model becomes one with N kv heads, one per shard.
 
 Compression runs under shard_map: every shard scores, selects and compacts its own kv heads
-(scores and top-k are per kv head), so it has no collectives at all. The Pallas decode kernel
+(scores and top-k are per kv head), so it has no collectives, except with repeated kv heads:
+then each copy gathers its whole query group's cached queries of the sequences being
+compressed (never the pool), so every copy keeps the tokens one device keeps. The Pallas decode kernel
 also needs shard_map (a pallas_call cannot be partitioned); the XLA attention is partitioned
 by XLA along the head axis.
 """
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -47,6 +50,7 @@ class TensorParallel:
     """The mesh and the placement rules; hashable, so it is a static argument of the jitted steps."""
 
     mesh: Mesh
+    kv_repeats: int = 1  # copies of each of the checkpoint's kv heads (> 1 when it has fewer than `size`)
 
     @property
     def size(self) -> int:
@@ -85,6 +89,23 @@ class TensorParallel:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=(specs,) + (P(),) * num_replicated, out_specs=specs,
                              check_vma=False)
 
+    def group_queries(self, queries: list[jax.Array], query_ids: jax.Array) -> tuple[list[jax.Array], jax.Array]:
+        """Inside per_shard_kv: the cached queries each shard's kv heads are scored with.
+
+        A repeated kv head must be scored by its whole query group, as on one device, but its
+        shard holds only G / kv_repeats of those heads: gather the group's queries of the
+        sequences being compressed (queries per layer [slots + 1, QL, Hq/N, D] -> [B, QL, G, D])."""
+        if self.kv_repeats == 1:
+            return queries, query_ids
+        local_heads = queries[0].shape[2]
+        group = local_heads * self.kv_repeats
+        start = jax.lax.axis_index(TP) // self.kv_repeats * group
+        gathered = []
+        for q in queries:
+            full = jax.lax.all_gather(q[query_ids], TP, axis=2, tiled=True)  # [B, QL, Hq, D]
+            gathered.append(jax.lax.dynamic_slice_in_dim(full, start, group, axis=2))
+        return gathered, jnp.arange(query_ids.shape[0], dtype=query_ids.dtype)
+
     def per_shard_decode(self, kernel: Callable) -> Callable:
         """shard_map of a decode kernel(q [B, Hq, D], k_pool, v_pool, block_tables, lens) -> [B, Hq, D]."""
         q_spec = P(None, TP, None)
@@ -102,6 +123,15 @@ def param_spec(path: tuple) -> P:
     if module in _ROW_PARALLEL and leaf == "kernel":
         return P(TP, None)
     return P()
+
+
+def shard_model(loaded: LoadedModel, size: int) -> tuple[LoadedModel, TensorParallel | None]:
+    """The model as the runner shards it (kv heads repeated if need be) and the mesh; (loaded, None) for size 1."""
+    ready = shard_ready(loaded, size)
+    tp = tensor_parallel(size)
+    if tp is None:
+        return ready, None
+    return ready, dataclasses.replace(tp, kv_repeats=ready.config.num_kv_heads // loaded.config.num_kv_heads)
 
 
 def tensor_parallel(size: int) -> TensorParallel | None:

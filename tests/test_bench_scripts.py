@@ -1,0 +1,197 @@
+"""The benchmark scripts' plumbing: bench_throughput, bench_gpu --cpu-smoke, bench_math (tiny models)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_gpu  # noqa: E402
+import bench_math  # noqa: E402
+import bench_throughput as bt  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_factory, model_cache_dir):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
+    yield str(tiny_model_factory("llama"))
+    mp.undo()
+
+
+def last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+# -- bench_throughput ---------------------------------------------------------------------------
+
+
+def test_compile_timer_sees_new_shapes_only():
+    f = jax.jit(lambda x: jnp.sin(x) * 3)
+    x, y = jnp.ones(7), jnp.zeros(7)
+    with bt.CompileTimer() as first:
+        f(x).block_until_ready()
+    with bt.CompileTimer() as again:
+        f(y).block_until_ready()
+    assert first.num_compiles == 1 and first.seconds() > 0
+    assert again.num_compiles == 0 and again.seconds() == 0
+
+
+def test_quick_preset_and_overrides():
+    args, workload, model, options = bt.parse_args(
+        ["--quick", "--requests", "3", "--max-cache-blocks-per-seq", "5", "--max-num-batched-tokens", "64"])
+    quick = bt.PRESETS["quick"]
+    assert (workload.requests, workload.budget_blocks, workload.max_tokens) == (3, 5, quick.max_tokens)
+    assert workload.num_pool_blocks == 3 * 6 + 1
+    assert model == "default" and options == {"max_num_batched_tokens": 64}
+    with pytest.raises(ValueError, match="does not fit the pool"):
+        bt.Workload(requests=1, prompt_len_min=8, prompt_len_max=64, max_tokens=64, block_size=16,
+                    budget_blocks=1).check()
+
+
+def test_prompts_are_mixed_lengths_of_distinct_text(llama_dir):
+    from zipage_jax.models.loading import load_model
+
+    workload = bt.Workload(requests=5, prompt_len_min=10, prompt_len_max=30, max_tokens=8, block_size=16,
+                           budget_blocks=1)
+    prompts = bt.make_prompts(load_model(llama_dir).tokenizer, workload)
+    assert sorted(len(p) for p in prompts) == [10, 15, 20, 25, 30]
+    assert len({tuple(p[:10]) for p in prompts}) == 5
+
+
+def test_throughput_benchmark_end_to_end(llama_dir, capsys):
+    # a pool of 4 * 2 + 1 blocks of 16: compression holds all 4 requests, full KV about two
+    argv = ["--model", llama_dir, "--json", "--requests", "4", "--prompt-len", "8", "24", "--max-tokens", "48",
+            "--kvcache-block-size", "16", "--max-cache-blocks-per-seq", "1", "--warmup-tokens", "2"]
+    assert bt.main(argv) == 0
+    out = last_json(capsys.readouterr().out)
+    full, zipage = out["full"], out["zipage"]
+    assert full["output_tokens"] == zipage["output_tokens"] == 4 * 48
+    assert out["pool_blocks"] == 9 and out["budget_tokens"] == 16
+    assert out["speedup"] == pytest.approx(out["throughput_zipage"] / out["throughput_full"])
+    assert out["peak_running_zipage"] == 4 and out["preemptions_zipage"] == 0
+    assert full["preemptions"] > 0 and full["compressions"] == 0 and full["kv_blocks_peak_max"] == 5
+    assert zipage["compressions"] > 0 and zipage["kv_blocks_peak_max"] == 2  # M + 1
+    assert out["mean_running_zipage"] > out["mean_running_full"]
+    assert 0 < out["compress_time_share"] < 1 and full["compress_time_share"] == 0
+
+
+# -- bench_gpu --------------------------------------------------------------------------------
+
+
+def test_deadline_interrupts_a_section():
+    with pytest.raises(bench_gpu.SectionTimeout):
+        with bench_gpu.deadline(0.05):
+            while True:
+                pass
+    with pytest.raises(bench_gpu.SectionTimeout, match="no time left"):
+        with bench_gpu.deadline(0):
+            pass
+
+
+@pytest.mark.slow
+def test_bench_gpu_cpu_smoke(llama_dir, capsys):
+    assert bench_gpu.main(["--cpu-smoke", "--model", llama_dir]) == 0
+    report = last_json(capsys.readouterr().out)
+    sections = report["sections"]
+    assert set(sections) == set(bench_gpu.SECTIONS)
+    assert report["ok"], {k: v.get("error") for k, v in sections.items()}
+    assert sections["compact"]["bit_identical"]
+    assert sections["paged_decode"]["shapes"][0]["max_abs_err"] < 1e-4
+    assert sections["throughput"]["zipage"]["compressions"] > 0
+
+
+def test_bench_gpu_reports_a_failing_section(capsys, monkeypatch):
+    def broken(args):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(bench_gpu, "SECTIONS", {"environment": bench_gpu.section_environment, "bad": broken})
+    assert bench_gpu.main(["--cpu-smoke"]) == 1
+    report = last_json(capsys.readouterr().out)
+    assert not report["ok"] and "no such kernel" in report["sections"]["bad"]["error"]
+    assert report["sections"]["environment"]["backend"] == "cpu"
+
+
+# -- bench_math -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gold,text,expected", [
+    ("85", "so the total is \\boxed{85}.", True),
+    ("85", "first 80, then \\boxed{85} and later 3", True),  # the boxed answer wins over later numbers
+    ("1/2", "half: \\boxed{\\frac{1}{2}}", True),
+    ("1,200", "it costs 1200 dollars", True),
+    ("12", "\\boxed{\\{12\\}} nested braces", False),
+    ("12", "I think 12, no wait, 13", False),
+    ("7", "no answer here", False),
+])
+def test_fallback_grader(gold, text, expected):
+    assert bench_math.fallback_correct(gold, text) is expected
+
+
+def test_last_boxed_balances_braces():
+    assert bench_math.last_boxed("\\boxed{1} then \\boxed{\\frac{a}{b}}") == "\\frac{a}{b}"
+    assert bench_math.last_boxed("\\boxed{unclosed") is None
+
+
+def test_math_verify_grader_when_installed():
+    pytest.importorskip("math_verify")
+    name, grade = bench_math.make_grader()
+    assert name == "math-verify"
+    assert grade("168", "42 times 4 is \\boxed{168}")
+    assert not grade("168", "\\boxed{167}")
+
+
+def test_arithmetic_set_round_trips_and_bad_files_raise(tmp_path):
+    rows = bench_math.make_arithmetic(20, seed=3)
+    assert rows == bench_math.make_arithmetic(20, seed=3) and rows != bench_math.make_arithmetic(20, seed=4)
+    for r in rows:  # every answer is the value of the expression in the problem
+        expr = r["problem"].removeprefix("What is ").removeprefix("Compute ").rstrip("?.")
+        if "apples" not in expr:
+            assert eval(expr) == int(r["answer"])  # noqa: S307 - generated digits and operators only
+    path = tmp_path / "a.jsonl"
+    assert bench_math.main(["--make-arithmetic", "5", str(path)]) == 0
+    assert len(bench_math.load_problems(str(path))) == 5 and len(bench_math.load_problems(str(path), 2)) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "1+1", "answer": 2}\n{"question": "x"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: each line needs"):
+        bench_math.load_problems(str(bad))
+
+
+def _math_argv(data, model, **extra):
+    argv = ["--data", str(data), "--samples", "2", "--max-tokens", "24", "--json", "--model", model,
+            "--kvcache-block-size", "16", "--max-cache-blocks-per-seq", "1", "--num-kvcache-blocks", "64"]
+    return argv + [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def _check_math_report(report, problems, samples, max_tokens):
+    assert report["problems"] == problems and report["samples"] == samples
+    for mode in ("full", "zipage"):
+        r = report[mode]
+        assert len(r["per_problem"]) == problems
+        assert r["pass_at_1"] == pytest.approx(sum(r["per_problem"]) / problems)
+        assert 0 < r["mean_output_tokens"] <= max_tokens and r["throughput"] > 0
+    assert report["full"]["compressions"] == 0 and report["zipage"]["compressions"] > 0
+    assert report["speedup"] == pytest.approx(report["zipage"]["throughput"] / report["full"]["throughput"])
+
+
+def test_bench_math_end_to_end_tiny_model(llama_dir, tmp_path, capsys):
+    data = tmp_path / "arith.jsonl"
+    bench_math.main(["--make-arithmetic", "3", str(data)])
+    assert bench_math.main(_math_argv(data, llama_dir)) == 0
+    _check_math_report(last_json(capsys.readouterr().out), 3, 2, 24)
+
+
+@pytest.mark.slow
+def test_bench_math_end_to_end_default_model(tmp_path, capsys):
+    data = tmp_path / "arith.jsonl"
+    bench_math.main(["--make-arithmetic", "2", str(data)])
+    assert bench_math.main(_math_argv(data, "default", max_cache_blocks_per_seq=2)) == 0
+    report = last_json(capsys.readouterr().out)
+    _check_math_report(report, 2, 2, 24)
+    assert report["model"].endswith(".gguf") and report["budget_tokens"] == 32
