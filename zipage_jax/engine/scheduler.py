@@ -119,7 +119,8 @@ class Scheduler:
                 continue
             out.chunks.append(Chunk(seq, seq.num_computed_tokens, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # No admission in a step that preempted: the pool is full (vLLM does the same).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             parent = seq.parent
             if parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens:
