@@ -124,23 +124,10 @@ class EngineConfig:
         return cls(**options)
 
     def compression(self, budget_blocks: int) -> CompressionConfig:
-        return CompressionConfig(
-            budget_blocks=budget_blocks,
-            block_size=self.kvcache_block_size,
-            query_cache_len=self.query_cache_len,
-            use_global_score=self.use_global_score,
-            decay_factor=self.decay_factor,
-            max_norm=self.max_norm,
-            enable_pooling=self.enable_pooling,
-            continues_pooling=self.continues_pooling,
-            pooling_size=self.pooling_size,
-            redundancy=self.redundancy,
-            redundancy_lambda=self.redundancy_lambda,
-            redundancy_temperature=self.redundancy_temperature,
-            sink_len=self.sink_len,
-            eviction_policy=self.eviction_policy,
-            recent_fraction=self.recent_fraction,
-        )
+        """The frozen scoring options for one budget: every CompressionConfig field that is
+        also an engine option is copied from here."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(CompressionConfig) if hasattr(self, f.name)}
+        return CompressionConfig(budget_blocks=budget_blocks, block_size=self.kvcache_block_size, **shared)
 
 
 def _positive(name: str, value: int) -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
 
+from zipage_jax.crosscheck.reference import load_reference_model
 from zipage_jax.layers.attention import causal_attention
 from zipage_jax.models.decoder import Decoder, split
 from zipage_jax.models.loading import load_model
@@ -71,14 +71,8 @@ def model_logits(model: Decoder, ids: list[int]) -> np.ndarray:
 def transformers_logits(source: str, ids: list[int]) -> np.ndarray:
     """transformers' float32 logits [T, V] for the same weights (a model directory or a .gguf file)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    path = Path(source)
-    kwargs = dict(dtype=torch.float32, attn_implementation="eager")
-    if path.is_file():
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = load_reference_model(source)
     with torch.no_grad():
         return model(torch.tensor([ids], dtype=torch.long)).logits[0].float().numpy()
 
