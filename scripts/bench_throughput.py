@@ -1,20 +1,22 @@
 """Throughput at equal KV memory: full KV vs Zipage compression, back to back in one process.
 
     python scripts/bench_throughput.py [--quick] [--json] [--requests 32] [--max-tokens 512]
-        [--prompt-len 32 256] [--model default] [engine options, e.g. --max-cache-blocks-per-seq 4]
+        [--prompt-len 32 256] [--sequential] [--model default] [engine options, e.g. --max-cache-blocks-per-seq 4]
 
 One workload (long greedy generations with `ignore_eos`, mixed prompt lengths cut from the
 standard library's argparse.py) and one KV pool (`--num-kvcache-blocks`, the same for both
-runs) are run twice: with full KV, and with compression to `--max-cache-blocks-per-seq`
-blocks under the recommended scoring (global score + pooling + lightning redundancy). The
-pool defaults to what compression needs to hold every request at once, so full KV holds
-only a few and preempts or queues the rest.
+runs) are run twice in one process: with full KV, and with compression to
+`--max-cache-blocks-per-seq` blocks under the recommended scoring (global score + pooling +
+lightning redundancy). The pool defaults to what compression needs to hold every request at
+once, so full KV holds only a few and preempts or queues the rest.
 
-Each run first warms up on the same prompts (a short, untimed generation that compiles the
-prefill and first decode shapes); shapes first met in the timed run are compiled there, and
-that compile time (JAX's compile events) is subtracted from the wall time and from the
-compaction time. Compactions are timed by blocking on each (`profile_compress`), so the
-compressed run never overlaps them with the host.
+The two engines are stepped in turn, the one with fewer tokens so far next, and each is timed
+over its own steps only: both finish together and see the same load on a shared machine
+(`--sequential` runs full KV, then Zipage). Each engine first warms up on the same prompts
+(a short, untimed generation that compiles the prefill and first decode shapes); shapes first
+met in the timed run compile there, and that compile time (JAX's compile events) is left out
+of the step times and of the compaction time. Compactions are timed by blocking on each
+(`profile_compress`), so they never overlap the host's work.
 
 The default preset is the 32-request measurement of issue 4 (about 30 minutes on a 2-core
 CPU); `--quick` is a scaled-down one (8 requests, a few minutes). The last line of `--json`
@@ -70,7 +72,7 @@ PRESETS = {
     "default": Workload(requests=32, prompt_len_min=32, prompt_len_max=256, max_tokens=512, block_size=16,
                         budget_blocks=4),
     # a few minutes on a 2-core CPU; full KV holds about one request at once
-    "quick": Workload(requests=6, prompt_len_min=16, prompt_len_max=48, max_tokens=224, block_size=16,
+    "quick": Workload(requests=6, prompt_len_min=16, prompt_len_max=48, max_tokens=208, block_size=16,
                       budget_blocks=2, warmup_tokens=4),
 }
 
@@ -142,85 +144,123 @@ def engine_config(model: str, workload: Workload, compressed: bool, options: dic
     return EngineConfig.from_options(**base)
 
 
-def run_once(engine, prompts: list[list[int]], max_tokens: int, sample: bool = True) -> dict:
-    """Drives the engine to completion; samples its stats after every step."""
-    from zipage_jax import SamplingParams
+class TimedRun:
+    """One engine working through the workload, one step at a time, timing only its own steps
+    (less the compile time inside them) and sampling its stats after each."""
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    running: list[int] = []
-    finished: dict[str, dict] = {}
-    start = time.perf_counter()
-    ids = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    def __init__(self, name: str, engine, prompts: list[list[int]], max_tokens: int, compiles: CompileTimer):
+        from zipage_jax import SamplingParams
+
+        self.name, self.engine, self.max_tokens, self.compiles = name, engine, max_tokens, compiles
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.ids = [engine.add_request(p, params) for p in prompts]
+        self.finished: dict[str, dict] = {}
+        self.running: list[int] = []
+        self.seconds = 0.0
+        self.compile_seconds = 0.0
+        self.compress_compile_seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    @property
+    def generated(self) -> int:
+        return self.engine.stats.generation_tokens
+
+    def step(self) -> None:
+        before, before_compress = self.compiles.seconds(), self.compiles.seconds("compress")
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        elapsed = time.perf_counter() - start
+        compiled = self.compiles.seconds() - before
+        self.compile_seconds += compiled
+        self.compress_compile_seconds += self.compiles.seconds("compress") - before_compress
+        self.seconds += max(0.0, elapsed - compiled)
+        for out in outputs:
             if out.finished:
-                finished[out.request_id] = out.to_dict()
-        if sample:
-            running.append(engine.get_stats().num_running)
-    wall = time.perf_counter() - start
-    results = [finished[i] for i in ids]
-    lengths = {len(r["token_ids"]) for r in results}
-    if lengths != {max_tokens}:
-        raise RuntimeError(f"expected {max_tokens} tokens per request with ignore_eos, got lengths {sorted(lengths)}")
-    return {"wall": wall, "running": running, "results": results}
+                self.finished[out.request_id] = out.to_dict()
+        self.running.append(self.engine.get_stats().num_running)
+
+    def results(self) -> list[dict]:
+        results = [self.finished[i] for i in self.ids]
+        lengths = {len(r["token_ids"]) for r in results}
+        if lengths != {self.max_tokens}:
+            raise RuntimeError(f"{self.name}: expected {self.max_tokens} tokens per request with ignore_eos, "
+                               f"got lengths {sorted(lengths)}")
+        return results
 
 
-def bench_mode(loaded, model: str, workload: Workload, prompts: list[list[int]], compressed: bool,
-               options: dict, log=None) -> dict:
-    """One run (after its warm-up) on a fresh engine sharing the loaded model."""
-    from zipage_jax.engine.llm_engine import LLMEngine
+def drive(runs: list[TimedRun], interleave: bool) -> None:
+    """Steps the runs to completion: one after the other, or interleaved so that the run with
+    the fewest tokens so far steps next (all finish together and see the same machine load)."""
+    while pending := [r for r in runs if not r.done]:
+        run = min(pending, key=lambda r: r.generated) if interleave else pending[0]
+        run.step()
 
-    config = engine_config(model, workload, compressed, options)
-    name = "zipage" if compressed else "full"
-    warm = LLMEngine(engine_config(model, workload, compressed, options), loaded=loaded)
-    t = time.perf_counter()
-    run_once(warm, prompts, workload.warmup_tokens, sample=False)
-    warmup_seconds = time.perf_counter() - t
-    del warm
-    engine = LLMEngine(config, loaded=loaded)
-    engine.runner.profile_compress = True
-    with CompileTimer() as compiles:
-        run = run_once(engine, prompts, workload.max_tokens)
+
+def summarize(run: TimedRun, warmup_seconds: float) -> dict:
+    engine, results = run.engine, run.results()
     stats = engine.get_stats()
-    compile_seconds = compiles.seconds()
-    wall = run["wall"] - compile_seconds
-    compress_seconds = max(0.0, engine.runner.compress_seconds - compiles.seconds("compress"))
-    output_tokens = sum(len(r["token_ids"]) for r in run["results"])
-    running = run["running"]
-    row = {
-        "throughput": output_tokens / wall,
+    if engine.block_manager.num_free_blocks != engine.block_manager.num_usable_blocks:
+        raise RuntimeError(f"{run.name}: KV blocks leaked after the run")
+    compress_seconds = max(0.0, engine.runner.compress_seconds - run.compress_compile_seconds)
+    output_tokens = sum(len(r["token_ids"]) for r in results)
+    compressed = engine.config.max_cache_blocks_per_seq is not None
+    return {
+        "throughput": output_tokens / run.seconds,
         "output_tokens": output_tokens,
-        "wall_seconds": wall,
-        "compile_seconds_excluded": compile_seconds,
-        "compiles_in_timed_run": compiles.num_compiles,
+        "wall_seconds": run.seconds,
+        "compile_seconds_excluded": run.compile_seconds,
         "warmup_seconds": warmup_seconds,
-        "steps": len(running),
-        "mean_running": float(np.mean(running)),
-        "peak_running": int(max(running)),
+        "steps": len(run.running),
+        "mean_running": float(np.mean(run.running)),
+        "peak_running": int(max(run.running)),
         "preemptions": stats.num_preemptions,
         "compressions": stats.num_compressions,
         "kv_tokens_evicted": stats.kv_tokens_evicted,
         "compress_seconds": compress_seconds,
-        "compress_time_share": compress_seconds / wall,
-        "decode_seconds": stats.decode_seconds,
-        "prefill_seconds": stats.prefill_seconds,
+        "compress_time_share": compress_seconds / run.seconds,
         "prefill_tokens": stats.prefill_tokens,
-        "kv_blocks_peak_max": max(r["metrics"]["kv_blocks_peak"] for r in run["results"]),
+        "kv_blocks_peak_max": max(r["metrics"]["kv_blocks_peak"] for r in results),
         "query_slots": stats.num_query_slots if compressed else None,
     }
-    if engine.block_manager.num_free_blocks != engine.block_manager.num_usable_blocks:
-        raise RuntimeError(f"{name}: KV blocks leaked after the run")
-    if log:
-        log(f"{name:>6}: {row['throughput']:.1f} tok/s, running mean {row['mean_running']:.1f} peak "
-            f"{row['peak_running']}, preemptions {row['preemptions']}, compressions {row['compressions']}, "
-            f"compress share {100 * row['compress_time_share']:.1f}%, wall {wall:.1f}s "
-            f"(+{compile_seconds:.1f}s compile excluded, {warmup_seconds:.1f}s warm-up)")
-    return row
+
+
+def bench_modes(loaded, model: str, workload: Workload, prompts: list[list[int]], options: dict,
+                interleave: bool = True, log=None) -> dict[str, dict]:
+    """Full KV and Zipage on fresh engines sharing the loaded model, each after a warm-up."""
+    from zipage_jax.engine.llm_engine import LLMEngine
+
+    configs = {"full": engine_config(model, workload, False, options),
+               "zipage": engine_config(model, workload, True, options)}
+    warmup_seconds = {}
+    for name, config in configs.items():
+        start = time.perf_counter()
+        warm = TimedRun(name, LLMEngine(config, loaded=loaded), prompts, workload.warmup_tokens, CompileTimer())
+        drive([warm], interleave=False)
+        warmup_seconds[name] = time.perf_counter() - start
+        del warm
+    with CompileTimer() as compiles:
+        runs = []
+        for name, config in configs.items():
+            engine = LLMEngine(config, loaded=loaded)
+            engine.runner.profile_compress = True
+            runs.append(TimedRun(name, engine, prompts, workload.max_tokens, compiles))
+        drive(runs, interleave)
+    rows = {run.name: summarize(run, warmup_seconds[run.name]) for run in runs}
+    for name, row in rows.items():
+        if log:
+            log(f"{name:>6}: {row['throughput']:.1f} tok/s, running mean {row['mean_running']:.1f} peak "
+                f"{row['peak_running']}, preemptions {row['preemptions']}, compressions {row['compressions']}, "
+                f"compress share {100 * row['compress_time_share']:.1f}%, {row['wall_seconds']:.1f}s "
+                f"(+{row['compile_seconds_excluded']:.1f}s compile excluded, {row['warmup_seconds']:.1f}s warm-up)")
+    return rows
 
 
 def run_benchmark(workload: Workload, model: str = "default", options: dict | None = None, loaded=None,
-                  log=None) -> dict:
-    """Full KV, then Zipage, on the same workload and pool. Returns the summary dict."""
+                  interleave: bool = True, log=None) -> dict:
+    """Full KV and Zipage on the same workload and pool. Returns the summary dict."""
     from zipage_jax.models.loading import load_model
 
     options = dict(options or {})
@@ -229,8 +269,8 @@ def run_benchmark(workload: Workload, model: str = "default", options: dict | No
     prompts = make_prompts(loaded.tokenizer, workload)
     mean_len = float(np.mean([len(p) for p in prompts])) + workload.max_tokens
     pool_tokens = (workload.num_pool_blocks - 1) * workload.block_size
-    full = bench_mode(loaded, model, workload, prompts, False, options, log)
-    zipage = bench_mode(loaded, model, workload, prompts, True, options, log)
+    rows = bench_modes(loaded, model, workload, prompts, options, interleave, log)
+    full, zipage = rows["full"], rows["zipage"]
     return {
         "throughput_full": full["throughput"],
         "throughput_zipage": zipage["throughput"],
@@ -249,6 +289,7 @@ def run_benchmark(workload: Workload, model: str = "default", options: dict | No
         "model": str(loaded.source),
         "scoring": RECOMMENDED_SCORING,
         "options": options,
+        "interleaved": interleave,
         "workload": asdict(workload),
         "full": full,
         "zipage": zipage,
@@ -265,6 +306,8 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--max-tokens", type=int, help="tokens generated per request")
     parser.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
     parser.add_argument("--warmup-tokens", type=int)
+    parser.add_argument("--sequential", action="store_true",
+                        help="run full KV, then Zipage (default: interleave their steps, see above)")
     add_engine_arguments(parser)  # --model, --kvcache-block-size, --num-kvcache-blocks, --max-cache-blocks-per-seq...
     args = parser.parse_args(argv)
     options = engine_options(args)
@@ -295,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"workload: {workload.requests} requests, prompts {workload.prompt_len_min}-{workload.prompt_len_max} "
         f"tokens, {workload.max_tokens} generated each; pool {workload.num_pool_blocks} blocks of "
         f"{workload.block_size}; budget {workload.budget_blocks} blocks")
-    summary = run_benchmark(workload, model, options, log=log)
+    summary = run_benchmark(workload, model, options, interleave=not args.sequential, log=log)
     log(f"speedup {summary['speedup']:.2f}x (full {summary['throughput_full']:.1f} tok/s, zipage "
         f"{summary['throughput_zipage']:.1f} tok/s), compress time share "
         f"{100 * summary['compress_time_share']:.2f}%, full KV holds ~{summary['full_kv_capacity_seqs']:.1f} "

@@ -43,14 +43,14 @@ POLICIES = {  # name -> engine options (full KV runs inside every engine with kv
     "zipage-attn": dict(eviction_policy="zipage"),
     "zipage": dict(eviction_policy="zipage", use_global_score=True, enable_pooling=True, redundancy="lightning"),
     # issue 8 (zipage_jax/compress/policies.py)
-    "window": dict(eviction_policy="window"),
+    "window": dict(eviction_policy="window"),  # recent_fraction 0.75 (the default)
     "window-25": dict(eviction_policy="window", recent_fraction=0.25),
-    "window-75": dict(eviction_policy="window", recent_fraction=0.75),
+    "window-50": dict(eviction_policy="window", recent_fraction=0.5),
     "window-pool": dict(eviction_policy="window", enable_pooling=True),
     "window-global": dict(eviction_policy="window", use_global_score=True),
     "vnorm-window": dict(eviction_policy="vnorm-window"),
 }
-DEFAULT_POLICIES = ["full", "streaming", "zipage-attn", "zipage", "window", "vnorm-window"]
+DEFAULT_POLICIES = ["full", "streaming", "zipage-attn", "zipage", "window"]
 BUDGETS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
 STDLIB_TEXTS = ("argparse.py", "pydoc_data/topics.py")  # source code; English documentation
 PROMPT_TOKENS = 16  # tokens prefilled before forcing starts

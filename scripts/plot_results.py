@@ -1,7 +1,9 @@
 """Quality vs KV budget per policy, from the JSON line of scripts/eval_quality.py --json.
 
     python scripts/eval_quality.py --json | tail -1 > quality.json
-    python scripts/plot_results.py quality.json [--out docs/quality_vs_budget.png]
+    python scripts/plot_results.py quality.json [more.json ...] [--out docs/quality_vs_budget.png]
+
+Several files are merged (a later file's row replaces an earlier one for the same policy and budget).
 
 One panel per metric present (text and reasoning ppl_ratio, passkey accuracy, greedy
 agreement); x: budget as a fraction of the context (log scale), one line per policy, full KV
@@ -31,6 +33,14 @@ def load_rows(path: Path) -> list[dict]:
     if not isinstance(data, dict) or not isinstance(data.get("results"), list):
         raise ValueError(f"{path}: the last line is not a {{\"results\": [...]}} object")
     return data["results"]
+
+
+def merge(files: list[Path]) -> list[dict]:
+    rows: dict[tuple, dict] = {}
+    for path in files:
+        for row in load_rows(path):
+            rows[(row["policy"], row["budget_fraction"])] = row
+    return list(rows.values())
 
 
 def plot(rows: list[dict], out: Path) -> list[str]:
@@ -72,10 +82,10 @@ def plot(rows: list[dict], out: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="quality vs budget plot from eval_quality.py --json")
-    p.add_argument("results", type=Path, help="file whose last line is eval_quality.py's JSON")
+    p.add_argument("results", type=Path, nargs="+", help="files whose last line is eval_quality.py's JSON")
     p.add_argument("--out", type=Path, default=Path("docs/quality_vs_budget.png"))
     args = p.parse_args(argv)
-    metrics = plot(load_rows(args.results), args.out)
+    metrics = plot(merge(args.results), args.out)
     print(f"wrote {args.out} ({', '.join(metrics)})")
 
 

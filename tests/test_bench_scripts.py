@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +66,7 @@ def test_prompts_are_mixed_lengths_of_distinct_text(llama_dir):
     assert len({tuple(p[:10]) for p in prompts}) == 5
 
 
+@pytest.mark.slow
 def test_throughput_benchmark_end_to_end(llama_dir, capsys):
     # a pool of 4 * 2 + 1 blocks of 16: compression holds all 4 requests, full KV about two
     argv = ["--model", llama_dir, "--json", "--requests", "4", "--prompt-len", "8", "24", "--max-tokens", "48",
@@ -180,6 +182,33 @@ def _check_math_report(report, problems, samples, max_tokens):
     assert report["speedup"] == pytest.approx(report["zipage"]["throughput"] / report["full"]["throughput"])
 
 
+class FakeLLM:
+    """Canned completions: run_mode's grading and counting without a model."""
+
+    def __init__(self, texts: list[list[str]]):
+        self.texts = texts
+        self.engine = SimpleNamespace(get_stats=lambda: SimpleNamespace(num_preemptions=1, num_compressions=5))
+        self.conversations = None
+
+    def chat(self, conversations, params, use_tqdm=True):
+        self.conversations = conversations
+        return [{"outputs": [{"text": t, "token_ids": [0] * len(t), "finish_reason": "length" if len(t) > 9
+                              else "stop"} for t in texts]} for texts in self.texts]
+
+
+def test_run_mode_grades_every_sample():
+    from zipage_jax import SamplingParams
+
+    problems = [{"problem": "What is 2 + 3?", "answer": "5"}, {"problem": "What is 4 * 4?", "answer": "16"}]
+    llm = FakeLLM([["\\boxed{5}", "it is 6"], ["\\boxed{16}", "16"]])
+    row = bench_math.run_mode(llm, problems, SamplingParams(n=2, max_tokens=10), bench_math.fallback_correct)
+    assert row["per_problem"] == [0.5, 1.0] and row["pass_at_1"] == 0.75
+    assert row["output_tokens"] == 9 + 7 + 10 + 2 and row["mean_output_tokens"] == 28 / 4
+    assert row["truncated_share"] == 0.25 and row["compressions"] == 5
+    assert llm.conversations[1] == [{"role": "user", "content": f"What is 4 * 4?\n{bench_math.INSTRUCTION}"}]
+
+
+@pytest.mark.slow
 def test_bench_math_end_to_end_tiny_model(llama_dir, tmp_path, capsys):
     data = tmp_path / "arith.jsonl"
     bench_math.main(["--make-arithmetic", "3", str(data)])

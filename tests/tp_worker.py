@@ -122,7 +122,7 @@ def main() -> None:
         if recorder is not None:
             report["compiles_in_steady_state"] = count_compiles(workload)
             report["shardings"] = shardings(llm)
-            report["num_kv_heads"] = llm.engine.loaded.config.num_kv_heads
+            report["num_kv_heads"] = llm.engine.runner.model_config.num_kv_heads  # after any repetition
             report["num_layers"] = llm.engine.loaded.config.num_layers
             report["collectives"] = recorder.collectives()
         del llm

@@ -33,7 +33,7 @@ class CompressionConfig:
     redundancy_threshold: float = 0.5
     sink_len: int = 0
     eviction_policy: EvictionPolicy = "zipage"
-    recent_fraction: float = 0.5  # share of the budget protected as a recent window ("window" policies)
+    recent_fraction: float = 0.75  # share of the budget protected as a recent window ("window" policies)
 
     @property
     def budget_tokens(self) -> int:
@@ -69,7 +69,7 @@ class EngineConfig:
     redundancy_temperature: float = 0.4
     sink_len: int = 0
     eviction_policy: EvictionPolicy = "zipage"
-    recent_fraction: float = 0.5  # "window" policies: share of the budget kept as the most recent tokens
+    recent_fraction: float = 0.75  # "window" policies: share of the budget kept as the most recent tokens
     enable_async_compress: bool = True
     enable_hybrid_engine: bool = True
     max_compress_seqs: int = 8  # sequences compacted in one step

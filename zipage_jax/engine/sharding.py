@@ -52,10 +52,6 @@ class TensorParallel:
     mesh: Mesh
     kv_repeats: int = 1  # copies of each of the checkpoint's kv heads (> 1 when it has fewer than `size`)
 
-    @property
-    def size(self) -> int:
-        return self.mesh.shape[TP]
-
     def param_shardings(self, params):
         """A NamedSharding per parameter of an nnx.State, chosen by module name."""
         return jax.tree_util.tree_map_with_path(lambda path, _: NamedSharding(self.mesh, param_spec(path)), params)
