@@ -1,4 +1,4 @@
-"""Throughput at equal KV memory: full KV vs Zipage compression, back to back in one process.
+"""Throughput at equal KV memory: full KV vs Zipage compression, in one process.
 
     python scripts/bench_throughput.py [--quick] [--json] [--requests 32] [--max-tokens 512]
         [--prompt-len 32 256] [--sequential] [--model default] [engine options, e.g. --max-cache-blocks-per-seq 4]
@@ -18,8 +18,9 @@ met in the timed run compile there, and that compile time (JAX's compile events)
 of the step times and of the compaction time. Compactions are timed by blocking on each
 (`profile_compress`), so they never overlap the host's work.
 
-The default preset is the 32-request measurement of issue 4 (about 30 minutes on a 2-core
-CPU); `--quick` is a scaled-down one (8 requests, a few minutes). The last line of `--json`
+The default preset is the 32-request measurement of issue 4 (20-30 minutes on a 2-core CPU,
+a few on a GPU); `--quick` is a scaled-down one (6 requests, about 4 minutes on 2 busy cores
+once the persistent compilation cache is warm; the first run on a machine compiles longer). The last line of `--json`
 is one JSON object: throughput_full, throughput_zipage, speedup, compress_time_share, the
 per-run figures under "full" / "zipage", and the workload.
 """
@@ -27,7 +28,6 @@ per-run figures under "full" / "zipage", and the workload.
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import sys
 import time
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-RECOMMENDED_SCORING = dict(use_global_score=True, enable_pooling=True, redundancy="lightning")
+RECOMMENDED_SCORING = dict(eviction_policy="zipage", use_global_score=True, enable_pooling=True, redundancy="lightning")
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,12 @@ def make_prompts(tokenizer, workload: Workload) -> list[list[int]]:
 
     with open(text_module.__file__, encoding="utf-8") as f:
         tokens = list(tokenizer(f.read())["input_ids"])
+    if len(tokens) < workload.prompt_len_max:
+        raise ValueError(f"the source text has only {len(tokens)} tokens")
     rng = np.random.default_rng(workload.seed)
     lengths = np.linspace(workload.prompt_len_min, workload.prompt_len_max, workload.requests).round().astype(int)
     rng.shuffle(lengths)
     stride = max(1, (len(tokens) - workload.prompt_len_max) // workload.requests)
-    if len(tokens) < workload.prompt_len_max:
-        raise ValueError(f"the source text has only {len(tokens)} tokens")
     return [tokens[i * stride:i * stride + n] for i, n in enumerate(lengths)]
 
 
@@ -159,6 +159,7 @@ class TimedRun:
         self.seconds = 0.0
         self.compile_seconds = 0.0
         self.compress_compile_seconds = 0.0
+        self.num_compiles = 0
 
     @property
     def done(self) -> bool:
@@ -170,6 +171,7 @@ class TimedRun:
 
     def step(self) -> None:
         before, before_compress = self.compiles.seconds(), self.compiles.seconds("compress")
+        before_count = self.compiles.num_compiles
         start = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
@@ -177,6 +179,7 @@ class TimedRun:
         self.compile_seconds += compiled
         self.compress_compile_seconds += self.compiles.seconds("compress") - before_compress
         self.seconds += max(0.0, elapsed - compiled)
+        self.num_compiles += self.compiles.num_compiles - before_count
         for out in outputs:
             if out.finished:
                 self.finished[out.request_id] = out.to_dict()
@@ -212,6 +215,7 @@ def summarize(run: TimedRun, warmup_seconds: float) -> dict:
         "output_tokens": output_tokens,
         "wall_seconds": run.seconds,
         "compile_seconds_excluded": run.compile_seconds,
+        "compiles_in_timed_run": run.num_compiles,
         "warmup_seconds": warmup_seconds,
         "steps": len(run.running),
         "mean_running": float(np.mean(run.running)),

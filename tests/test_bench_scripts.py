@@ -56,6 +56,28 @@ def test_quick_preset_and_overrides():
                     budget_blocks=1).check()
 
 
+class FakeRun:
+    def __init__(self, name, tokens_per_step, total, order):
+        self.name, self.rate, self.total, self.order, self.generated = name, tokens_per_step, total, order, 0
+
+    @property
+    def done(self):
+        return self.generated >= self.total
+
+    def step(self):
+        self.generated += self.rate
+        self.order.append(self.name)
+
+
+def test_drive_interleaves_by_tokens_so_far_or_runs_in_turn():
+    order = []
+    bt.drive([FakeRun("full", 1, 8, order), FakeRun("zipage", 4, 8, order)], interleave=True)
+    assert order == ["full", "zipage", "full", "full", "full", "full", "zipage", "full", "full", "full"]
+    order.clear()
+    bt.drive([FakeRun("full", 1, 3, order), FakeRun("zipage", 4, 8, order)], interleave=False)
+    assert order == ["full"] * 3 + ["zipage"] * 2
+
+
 def test_prompts_are_mixed_lengths_of_distinct_text(llama_dir):
     from zipage_jax.models.loading import load_model
 

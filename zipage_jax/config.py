@@ -68,7 +68,7 @@ class EngineConfig:
     redundancy_lambda: float = 0.2
     redundancy_temperature: float = 0.4
     sink_len: int = 0
-    eviction_policy: EvictionPolicy = "zipage"
+    eviction_policy: EvictionPolicy = "window"  # best measured (docs/RESULTS.md); "zipage" = reference
     recent_fraction: float = 0.75  # "window" policies: share of the budget kept as the most recent tokens
     enable_async_compress: bool = True
     enable_hybrid_engine: bool = True

@@ -90,8 +90,10 @@ class ModelRunner:
             dtype=loaded.model.dtype, global_score=config.use_global_score,
         )
         self.kv = make_kv() if self.tp is None else self.tp.make_kv(make_kv)
-        self.compress_seconds = 0.0  # only measured when profile_compress is on
-        self.profile_compress = False
+        self.compress_seconds = 0.0  # only measured when compaction is synchronous
+        # Asynchronous (default): a compaction is dispatched and the host goes on to the next
+        # decode at once. Off (or profiling): the host waits for each compaction and times it.
+        self.profile_compress = not config.enable_async_compress
 
     # -- compression ----------------------------------------------------------------------
 
