@@ -245,7 +245,8 @@ def section_compress_step(args) -> dict:
     layers, batch, query_len, q_heads, kv_heads, head_dim, block_size, m = COMPRESS_SHAPES[args.size]
     dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
     cfg = CompressionConfig(budget_blocks=m, block_size=block_size, query_cache_len=query_len,
-                            use_global_score=True, enable_pooling=True, redundancy="lightning")
+                            eviction_policy="zipage", use_global_score=True, enable_pooling=True,
+                            redundancy="lightning")
     width = 1 << (m + 2 - 1).bit_length()  # the runner's bucket for M + 2 blocks
     rng = np.random.default_rng(3)
     num_pool_blocks = batch * (m + 2) + 1
