@@ -57,6 +57,15 @@ def test_greedy_matches_transformers(llama_dir, expected):
         assert ours == reference_greedy(model, prompt, 12)
 
 
+def test_reference_greedy_generates_through_eos(llama_dir, expected):
+    # the crosscheck compares against ignore_eos: transformers must not stop at the model's EOS
+    model = load_reference_model(str(llama_dir))
+    eos = expected[0][1]
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    out = reference_greedy(model, PROMPTS[0], 12)
+    assert len(out) == 12 and out == expected[0]
+
+
 def test_batch_composition_does_not_change_greedy_output(llm, expected):
     alone = [token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in PROMPTS]
     assert alone == expected

@@ -45,7 +45,7 @@ class StepRecorder:
         def wrapper(*args, **kwargs):
             kind = name
             if name == "_forward_and_sample":
-                kind += "/decode" if args[3].tokens.shape[1] == 1 else "/prefill"
+                kind += "/decode" if args[4].tokens.shape[1] == 1 else "/prefill"
             abstract = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array)
                 else x, (args, kwargs))

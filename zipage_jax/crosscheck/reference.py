@@ -22,13 +22,12 @@ def load_reference_model(source: str):
 def reference_greedy(model, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """transformers' greedy `generate` of exactly `new_tokens` tokens, EOS not special (as with
     ignore_eos: EOS may be generated and generation goes on; min_new_tokens would mask it)."""
-    import copy
-
     import torch
 
     ids = torch.tensor([prompt_ids])
-    config = copy.deepcopy(model.generation_config)
-    config.update(eos_token_id=None, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    # eos_token_id=None as an explicit argument: set on a GenerationConfig instead, transformers 5
+    # falls back to the model's EOS and stops there
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()

@@ -21,7 +21,7 @@ from zipage_jax.engine.block_manager import DUMMY_BLOCK, CompressionPlan
 from zipage_jax.engine.kv_state import KVState
 from zipage_jax.engine.scheduler import Chunk
 from zipage_jax.engine.sharding import TensorParallel, shard_model
-from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn
+from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn, xla_page_size
 from zipage_jax.layers.sampler import SamplerFlags, SamplerOutput, SamplingBatch, SamplingRow, sample
 from zipage_jax.models.decoder import DecoderFns, split
 from zipage_jax.models.loading import LoadedModel
@@ -33,9 +33,13 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("fns", "flags", "backend", "tp"), donate_argnames=("kv",))
-def _forward_and_sample(fns: DecoderFns, params, kv: KVState, inputs: StepInputs, sampling: SamplingBatch, *,
-                        flags: SamplerFlags, backend: str, tp: TensorParallel | None) -> tuple[KVState, SamplerOutput]:
+@functools.partial(jax.jit, static_argnames=("fns", "params_def", "flags", "backend", "tp"),
+                   donate_argnames=("kv",))
+def _forward_and_sample(fns: DecoderFns, params_def, param_leaves: list[jax.Array], kv: KVState, inputs: StepInputs,
+                        sampling: SamplingBatch, *, flags: SamplerFlags, backend: str,
+                        tp: TensorParallel | None) -> tuple[KVState, SamplerOutput]:
+    # params travel as a flat list: flattening the nnx.State on every call costs ~1 ms of host time
+    params = jax.tree.unflatten(params_def, param_leaves)
     hidden, kv = fns.forward(params, inputs.tokens, inputs.positions, paged_attention_fn(inputs, backend, tp), kv)
     last = jnp.take_along_axis(hidden, inputs.last_index[:, None, None], axis=1)[:, 0]  # [B, E]
     return (kv if tp is None else tp.constrain_kv(kv)), sample(fns.logits(params, last), sampling, flags)
@@ -74,6 +78,7 @@ class ModelRunner:
         self.fns, self.params = split(loaded.model)
         if self.tp is not None:
             self.params = self.tp.place_params(self.params)
+        self.param_leaves, self.params_def = jax.tree.flatten(self.params)
         self.block_size = config.kvcache_block_size
         self.query_cache_len = config.query_cache_len
         self.num_query_slots = num_query_slots
@@ -148,15 +153,18 @@ class ModelRunner:
     def _dispatch(self, chunks: list[Chunk], rows: list[SamplingRow]) -> SamplerOutput:
         inputs = self._inputs(chunks)
         sampling, flags = SamplingBatch.build(rows, inputs.tokens.shape[0])
-        self.kv, out = _forward_and_sample(self.fns, self.params, self.kv, inputs, sampling, flags=flags,
-                                           backend=self.backend, tp=self.tp)
+        self.kv, out = _forward_and_sample(self.fns, self.params_def, self.param_leaves, self.kv, inputs, sampling,
+                                           flags=flags, backend=self.backend, tp=self.tp)
         return out
 
     def _inputs(self, chunks: list[Chunk]) -> StepInputs:
         bs, ql = self.block_size, self.query_cache_len
+        # the XLA path attends over pages of the pool, the Pallas kernel over whole blocks
+        page = xla_page_size(bs) if self.backend == "xla" else bs
+        pages_per_block = bs // page
         b = bucket(len(chunks))
         c = bucket(max(ch.num_tokens for ch in chunks), 1 if all(ch.num_tokens == 1 for ch in chunks) else 16)
-        w = bucket(max(len(ch.seq.block_table) for ch in chunks))
+        w = bucket(max(-(-(ch.seq.num_kv_slots + ch.num_tokens) // page) for ch in chunks))
         pad_query = self.num_query_slots * ql
         tokens = np.zeros((b, c), np.int32)
         positions = np.zeros((b, c), np.int32)
@@ -172,10 +180,14 @@ class ModelRunner:
             tokens[row, :n] = seq.token_ids[ch.start:ch.start + n]
             positions[row, :n] = np.arange(ch.start, ch.start + n)
             slots[row, :n] = table[phys // bs] * bs + phys % bs
-            tables[row, :len(table)] = table
+            pages = (table[:, None] * pages_per_block + np.arange(pages_per_block)).reshape(-1)
+            used = -(-(seq.num_kv_slots + n) // page)
+            tables[row, :used] = pages[:used]
             kv_lens[row, :n] = phys + 1
             last_index[row] = n - 1
             if seq.query_slot is not None:
                 offset = phys % bs - (bs - ql)
                 query_index[row, :n] = np.where(offset >= 0, seq.query_slot * ql + offset, pad_query)
-        return StepInputs(tokens, positions, slots, query_index, tables, kv_lens, last_index)
+        caches_queries = any(ch.seq.query_slot is not None for ch in chunks)
+        return StepInputs(tokens, positions, slots, query_index if caches_queries else None, tables, kv_lens,
+                          last_index)

@@ -143,11 +143,24 @@ class Decoder(nnx.Module):
         return (self.embed_tokens if self.lm_head is None else self.lm_head).attend(hidden)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DecoderFns:
-    """The decoder as pure functions of its parameter state (jit them; attn_fn is static)."""
+    """The decoder as pure functions of its parameter state (jit them; attn_fn is static).
+
+    It is a static jit argument, hashed on every call: the graphdef's hash (a walk over the
+    whole module tree, ~10 ms) is computed once, and equality short-circuits on identity."""
 
     graphdef: nnx.GraphDef
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash(self.graphdef))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, DecoderFns) and self._hash == other._hash
+                                 and self.graphdef == other.graphdef)
 
     def forward(
         self, state: nnx.State, input_ids: jax.Array, positions: jax.Array, attn_fn: AttnFn, cache: Any
