@@ -2,6 +2,7 @@
 
     python scripts/bench_throughput.py [--quick] [--json] [--requests 32] [--max-tokens 512]
         [--prompt-len 32 256] [--sequential] [--model default] [engine options, e.g. --max-cache-blocks-per-seq 4]
+    python scripts/bench_throughput.py --quick --json --budgets 2 4 8 --policies zipage window   # sweep
 
 One workload (long greedy generations with `ignore_eos`, mixed prompt lengths cut from the
 standard library's argparse.py) and one KV pool (`--num-kvcache-blocks`, the same for both
@@ -23,6 +24,16 @@ a few on a GPU); `--quick` is a scaled-down one (6 requests, about 4 minutes on 
 once the persistent compilation cache is warm; the first run on a machine compiles longer). The last line of `--json`
 is one JSON object: throughput_full, throughput_zipage, speedup, compress_time_share, the
 per-run figures under "full" / "zipage", and the workload.
+
+Sweep (`--budgets M1 M2 ...` and/or `--policies P1 P2 ...`): full KV once and compression with
+every (policy, budget) pair, all on one pool sized for the LARGEST budget
+(`requests * (max M + 1) + 1` blocks unless `--num-kvcache-blocks` is given), so every point
+uses the same KV bytes; the policy replaces `eviction_policy` in the recommended scoring, the
+rest of the scoring is the same for every policy. All the engines are stepped in turn as above.
+The JSON then holds a "sweep" list, one row per point (policy, budget_blocks, budget_tokens,
+budget_fraction = budget / mean final request length, throughput, mean/peak running,
+preemptions, compressions, compress_time_share, speedup vs full KV, and throughput_vs_zipage
+when zipage ran at the same budget); `scripts/plot_results.py` plots it.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -232,12 +243,13 @@ def summarize(run: TimedRun, warmup_seconds: float) -> dict:
 
 
 def bench_modes(loaded, model: str, workload: Workload, prompts: list[list[int]], options: dict,
-                interleave: bool = True, log=None) -> dict[str, dict]:
-    """Full KV and Zipage on fresh engines sharing the loaded model, each after a warm-up."""
+                interleave: bool = True, log=None, configs: dict | None = None) -> dict[str, dict]:
+    """Full KV and Zipage (or the named `configs`) on fresh engines sharing the loaded model,
+    each after a warm-up."""
     from zipage_jax.engine.llm_engine import LLMEngine
 
-    configs = {"full": engine_config(model, workload, False, options),
-               "zipage": engine_config(model, workload, True, options)}
+    configs = configs or {"full": engine_config(model, workload, False, options),
+                          "zipage": engine_config(model, workload, True, options)}
     warmup_seconds = {}
     for name, config in configs.items():
         start = time.perf_counter()
@@ -255,7 +267,7 @@ def bench_modes(loaded, model: str, workload: Workload, prompts: list[list[int]]
     rows = {run.name: summarize(run, warmup_seconds[run.name]) for run in runs}
     for name, row in rows.items():
         if log:
-            log(f"{name:>6}: {row['throughput']:.1f} tok/s, running mean {row['mean_running']:.1f} peak "
+            log(f"{name:>8}: {row['throughput']:.1f} tok/s, running mean {row['mean_running']:.1f} peak "
                 f"{row['peak_running']}, preemptions {row['preemptions']}, compressions {row['compressions']}, "
                 f"compress share {100 * row['compress_time_share']:.1f}%, {row['wall_seconds']:.1f}s "
                 f"(+{row['compile_seconds_excluded']:.1f}s compile excluded, {row['warmup_seconds']:.1f}s warm-up)")
@@ -300,6 +312,92 @@ def run_benchmark(workload: Workload, model: str = "default", options: dict | No
     }
 
 
+def sweep_workload(workload: Workload, budgets: list[int]) -> Workload:
+    """The workload with its pool fixed for the largest budget (unless given) and that budget."""
+    largest = max(budgets)
+    pool = workload.pool_blocks or workload.requests * (largest + 1) + 1
+    return replace(workload, budget_blocks=largest, pool_blocks=pool)
+
+
+def run_sweep(workload: Workload, budgets: list[int], policies: list[str], model: str = "default",
+              options: dict | None = None, loaded=None, interleave: bool = True, log=None) -> dict:
+    """Full KV once and every (policy, budget) on one pool sized for the largest budget."""
+    from zipage_jax.models.loading import load_model
+
+    if not budgets or not policies or min(budgets) < 1:
+        raise ValueError("a sweep needs budgets >= 1 and at least one policy")
+    options = {k: v for k, v in (options or {}).items() if k != "eviction_policy"}
+    workload = sweep_workload(workload, sorted(set(budgets)))
+    workload.check()
+    loaded = loaded or load_model(model, dtype=options.get("dtype"))
+    prompts = make_prompts(loaded.tokenizer, workload)
+    mean_len = float(np.mean([len(p) for p in prompts])) + workload.max_tokens
+    pool_tokens = (workload.num_pool_blocks - 1) * workload.block_size
+    points = {f"{policy}@{m}": (policy, m) for policy in dict.fromkeys(policies) for m in sorted(set(budgets))}
+    configs = {"full": engine_config(model, workload, False, options)}
+    configs.update({name: engine_config(model, replace(workload, budget_blocks=m), True,
+                                        {**options, "eviction_policy": policy})
+                    for name, (policy, m) in points.items()})
+    rows = bench_modes(loaded, model, workload, prompts, options, interleave, log, configs=configs)
+    full = rows["full"]
+    sweep = []
+    for name, (policy, m) in points.items():
+        row = rows[name]
+        sweep.append({
+            "policy": policy,
+            "budget_blocks": m,
+            "budget_tokens": m * workload.block_size,
+            "budget_fraction": m * workload.block_size / mean_len,
+            "throughput": row["throughput"],
+            "mean_running": row["mean_running"],
+            "peak_running": row["peak_running"],
+            "preemptions": row["preemptions"],
+            "compressions": row["compressions"],
+            "compress_time_share": row["compress_time_share"],
+            "speedup": row["throughput"] / full["throughput"],
+        })
+    for point in sweep:
+        ref = rows.get(f"zipage@{point['budget_blocks']}")
+        if ref is not None:
+            point["throughput_vs_zipage"] = point["throughput"] / ref["throughput"]
+    return {
+        "sweep": sweep,
+        "throughput_full": full["throughput"],
+        "mean_running_full": full["mean_running"],
+        "peak_running_full": full["peak_running"],
+        "preemptions_full": full["preemptions"],
+        "budgets": sorted(set(budgets)),
+        "policies": list(dict.fromkeys(policies)),
+        "pool_blocks": workload.num_pool_blocks,
+        "pool_tokens": pool_tokens,
+        "pool_note": f"one pool of {workload.num_pool_blocks} blocks for full KV and every point "
+                     f"(sized for the largest budget, {max(budgets)} blocks): the same KV bytes everywhere",
+        "mean_final_len": mean_len,
+        "full_kv_capacity_seqs": pool_tokens / mean_len,
+        "model": str(loaded.source),
+        "scoring": {k: v for k, v in RECOMMENDED_SCORING.items() if k != "eviction_policy"},
+        "options": options,
+        "interleaved": interleave,
+        "workload": asdict(workload),
+        "runs": rows,
+    }
+
+
+def format_sweep(summary: dict) -> str:
+    """The sweep as a Markdown table (full KV first)."""
+    lines = ["| policy | budget (blocks / tokens / of context) | tok/s | mean / peak running | preemptions "
+             "| compress share | speedup vs full | vs zipage |", "|---|---|---|---|---|---|---|---|",
+             f"| full KV | - | {summary['throughput_full']:.1f} | {summary['mean_running_full']:.2f} / "
+             f"{summary['peak_running_full']} | {summary['preemptions_full']} | 0 | 1.00x | |"]
+    for p in summary["sweep"]:
+        vs = f"{p['throughput_vs_zipage']:.3f}" if "throughput_vs_zipage" in p else ""
+        lines.append(f"| {p['policy']} | {p['budget_blocks']} / {p['budget_tokens']} / "
+                     f"{100 * p['budget_fraction']:.0f}% | {p['throughput']:.1f} | {p['mean_running']:.2f} / "
+                     f"{p['peak_running']} | {p['preemptions']} | {100 * p['compress_time_share']:.1f}% "
+                     f"| {p['speedup']:.2f}x | {vs} |")
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None):
     from zipage_jax.cli_options import add_engine_arguments, engine_options
 
@@ -312,8 +410,20 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--warmup-tokens", type=int)
     parser.add_argument("--sequential", action="store_true",
                         help="run full KV, then Zipage (default: interleave their steps, see above)")
+    parser.add_argument("--budgets", type=int, nargs="+", metavar="M",
+                        help="sweep: compressed budgets in blocks (max_cache_blocks_per_seq values)")
+    parser.add_argument("--policies", nargs="+", metavar="POLICY",
+                        help="sweep: eviction policies (default with --budgets: zipage window)")
     add_engine_arguments(parser)  # --model, --kvcache-block-size, --num-kvcache-blocks, --max-cache-blocks-per-seq...
     args = parser.parse_args(argv)
+    if args.budgets and args.max_cache_blocks_per_seq is not None:
+        parser.error("give the budgets with --budgets or --max-cache-blocks-per-seq, not both")
+    if args.policies:
+        from zipage_jax.config import EVICTION_POLICIES
+
+        bad = [p for p in args.policies if p not in EVICTION_POLICIES]
+        if bad:
+            parser.error(f"unknown policy {', '.join(bad)}: choose from {', '.join(EVICTION_POLICIES)}")
     options = engine_options(args)
     preset = PRESETS["quick" if args.quick else "default"]
     overrides = {
@@ -338,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if args.budgets or args.policies:
+        return main_sweep(args, workload, model, options, log)
     workload.check()
     log(f"workload: {workload.requests} requests, prompts {workload.prompt_len_min}-{workload.prompt_len_max} "
         f"tokens, {workload.max_tokens} generated each; pool {workload.num_pool_blocks} blocks of "
@@ -347,6 +459,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['throughput_zipage']:.1f} tok/s), compress time share "
         f"{100 * summary['compress_time_share']:.2f}%, full KV holds ~{summary['full_kv_capacity_seqs']:.1f} "
         f"requests at once")
+    print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
+    return 0
+
+
+def main_sweep(args, workload: Workload, model: str, options: dict, log) -> int:
+    budgets = args.budgets or [workload.budget_blocks]
+    policies = args.policies or ["zipage", "window"]
+    pooled = sweep_workload(workload, budgets)
+    log(f"sweep: {pooled.requests} requests, prompts {pooled.prompt_len_min}-{pooled.prompt_len_max} tokens, "
+        f"{pooled.max_tokens} generated each; ONE pool of {pooled.num_pool_blocks} blocks of {pooled.block_size} "
+        f"(sized for the largest budget, {max(budgets)} blocks) for full KV and every point; "
+        f"budgets {budgets} blocks, policies {policies}")
+    summary = run_sweep(workload, budgets, policies, model, options, interleave=not args.sequential, log=log)
+    log(summary["pool_note"])
+    log(format_sweep(summary))
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
     return 0
 

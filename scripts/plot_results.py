@@ -1,7 +1,15 @@
-"""Quality vs KV budget per policy, from the JSON line of scripts/eval_quality.py --json.
+"""Quality vs KV budget per policy, from the JSON line of scripts/eval_quality.py --json;
+throughput and concurrency vs budget, from scripts/bench_throughput.py's sweep.
 
     python scripts/eval_quality.py --json | tail -1 > quality.json
     python scripts/plot_results.py quality.json [more.json ...] [--out docs/quality_vs_budget.png]
+
+    python scripts/bench_throughput.py --quick --json --budgets 2 4 8 --policies zipage window | tail -1 > sweep.json
+    python scripts/plot_results.py sweep.json [--out docs/throughput_vs_budget.png]
+
+A file whose last line holds a {"sweep": [...]} object gets the throughput plot: two panels,
+output tok/s and mean running sequences vs the budget in blocks (log scale), one line per
+policy, full KV as a dashed reference line.
 
 Several files are merged (a later file's row replaces an earlier one for the same policy and budget).
 
@@ -24,13 +32,21 @@ METRICS = {
 }
 
 
-def load_rows(path: Path) -> list[dict]:
-    """The results of a file holding the {"results": [...]} object (alone or as its last line)."""
+def load_json(path: Path) -> dict:
+    """The JSON object on a file's last non-empty line."""
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     if not lines:
         raise ValueError(f"{path} is empty")
     data = json.loads(lines[-1])
-    if not isinstance(data, dict) or not isinstance(data.get("results"), list):
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the last line is not a JSON object")
+    return data
+
+
+def load_rows(path: Path) -> list[dict]:
+    """The results of a file holding the {"results": [...]} object (alone or as its last line)."""
+    data = load_json(path)
+    if not isinstance(data.get("results"), list):
         raise ValueError(f"{path}: the last line is not a {{\"results\": [...]}} object")
     return data["results"]
 
@@ -80,13 +96,67 @@ def plot(rows: list[dict], out: Path) -> list[str]:
     return metrics
 
 
+SWEEP_PANELS = {
+    "throughput": ("output tok/s", "throughput_full"),
+    "mean_running": ("mean running sequences (concurrency)", "mean_running_full"),
+}
+
+
+def plot_sweep(data: dict, out: Path) -> list[str]:
+    """Throughput and concurrency vs budget from bench_throughput.py's sweep JSON; returns the policies."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = data["sweep"]
+    if not points:
+        raise ValueError("the sweep has no points")
+    policies = list(dict.fromkeys(p["policy"] for p in points))
+    budgets = sorted({p["budget_blocks"] for p in points})
+    block = data.get("workload", {}).get("block_size")
+    fig, axes = plt.subplots(1, len(SWEEP_PANELS), figsize=(4.6 * len(SWEEP_PANELS), 3.8), squeeze=False)
+    for ax, (key, (title, full_key)) in zip(axes[0], SWEEP_PANELS.items()):
+        for policy in policies:
+            xs, ys = zip(*sorted((p["budget_blocks"], p[key]) for p in points if p["policy"] == policy))
+            ax.plot(xs, ys, marker="o", label=policy)
+        if data.get(full_key) is not None:
+            ax.axhline(data[full_key], color="black", linestyle="--", linewidth=1, label="full KV")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(m) for m in budgets])
+        ax.set_xlabel(f"KV budget per sequence (blocks{f' of {block} tokens' if block else ''})")
+        ax.set_ylim(bottom=0)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    if data.get("pool_blocks"):
+        fig.suptitle(f"one KV pool of {data['pool_blocks']} blocks for every point", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return policies
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="quality vs budget plot from eval_quality.py --json")
-    p.add_argument("results", type=Path, nargs="+", help="files whose last line is eval_quality.py's JSON")
-    p.add_argument("--out", type=Path, default=Path("docs/quality_vs_budget.png"))
+    p = argparse.ArgumentParser(description="quality vs budget plot from eval_quality.py --json, or throughput "
+                                            "and concurrency vs budget from bench_throughput.py --budgets --json")
+    p.add_argument("results", type=Path, nargs="+", help="files whose last line is eval_quality.py's JSON, "
+                                                        "or one file whose last line is a bench_throughput sweep")
+    p.add_argument("--out", type=Path, help="default: docs/quality_vs_budget.png, or "
+                                            "docs/throughput_vs_budget.png for a sweep")
     args = p.parse_args(argv)
-    metrics = plot(merge(args.results), args.out)
-    print(f"wrote {args.out} ({', '.join(metrics)})")
+    sweeps = [load_json(path) for path in args.results]
+    if any("sweep" in data for data in sweeps):
+        if len(args.results) != 1:
+            p.error("give one throughput sweep file, alone")
+        out = args.out or Path("docs/throughput_vs_budget.png")
+        policies = plot_sweep(sweeps[0], out)
+        print(f"wrote {out} ({', '.join(policies)})")
+        return
+    out = args.out or Path("docs/quality_vs_budget.png")
+    metrics = plot(merge(args.results), out)
+    print(f"wrote {out} ({', '.join(metrics)})")
 
 
 if __name__ == "__main__":

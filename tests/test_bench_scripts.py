@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_gpu  # noqa: E402
 import bench_math  # noqa: E402
 import bench_throughput as bt  # noqa: E402
+import plot_results  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +105,44 @@ def test_throughput_benchmark_end_to_end(llama_dir, capsys):
     assert zipage["compressions"] > 0 and zipage["kv_blocks_peak_max"] == 2  # M + 1
     assert out["mean_running_zipage"] > out["mean_running_full"]
     assert 0 < out["compress_time_share"] < 1 and full["compress_time_share"] == 0
+
+
+def test_budget_sweep_one_pool_every_point_and_plot(llama_dir, tmp_path, monkeypatch, capsys):
+    # the engines are faked: this checks the sweep's configs, rows, JSON and plot, not the timing
+    seen = {}
+
+    def fake_bench_modes(loaded, model, workload, prompts, options, interleave=True, log=None, configs=None):
+        seen.update(configs)
+        rows = {}
+        for name, cfg in configs.items():
+            m = cfg.max_cache_blocks_per_seq
+            rows[name] = {"throughput": 10.0 if m is None else 20.0 + m + (cfg.eviction_policy == "window"),
+                          "mean_running": 1.5 if m is None else 3.0, "peak_running": 2 if m is None else 3,
+                          "preemptions": 4 if m is None else 0, "compressions": 0 if m is None else 7,
+                          "compress_time_share": 0.0 if m is None else 0.02}
+        return rows
+
+    monkeypatch.setattr(bt, "bench_modes", fake_bench_modes)
+    argv = ["--model", llama_dir, "--json", "--requests", "3", "--prompt-len", "8", "24", "--max-tokens", "40",
+            "--kvcache-block-size", "16", "--budgets", "1", "2", "--policies", "zipage", "window"]
+    assert bt.main(argv) == 0
+    out = last_json(capsys.readouterr().out)
+    assert set(seen) == {"full", "zipage@1", "zipage@2", "window@1", "window@2"}
+    assert {c.num_kvcache_blocks for c in seen.values()} == {3 * (2 + 1) + 1} == {out["pool_blocks"]}
+    assert seen["full"].max_cache_blocks_per_seq is None and seen["window@1"].max_cache_blocks_per_seq == 1
+    assert seen["window@2"].eviction_policy == "window" and seen["zipage@2"].eviction_policy == "zipage"
+    assert seen["window@2"].use_global_score and seen["window@2"].redundancy == "lightning"
+    points = {(p["policy"], p["budget_blocks"]): p for p in out["sweep"]}
+    assert len(points) == 4 and out["throughput_full"] == 10.0
+    assert points[("window", 2)]["speedup"] == pytest.approx(2.3)
+    assert points[("window", 2)]["throughput_vs_zipage"] == pytest.approx(23 / 22)
+    assert points[("zipage", 1)]["budget_tokens"] == 16 and 0 < points[("zipage", 1)]["budget_fraction"] < 1
+    src, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    src.write_text(json.dumps(out) + "\n")
+    plot_results.main([str(src), "--out", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):  # both ways of giving the budget
+        bt.parse_args(["--budgets", "2", "--max-cache-blocks-per-seq", "2"])
 
 
 # -- bench_gpu --------------------------------------------------------------------------------
