@@ -319,14 +319,23 @@ def sweep_workload(workload: Workload, budgets: list[int]) -> Workload:
     return replace(workload, budget_blocks=largest, pool_blocks=pool)
 
 
+def pool_note(workload: Workload, budgets: list[int]) -> str:
+    """How the sweep's one pool was chosen (workload before `sweep_workload`)."""
+    pooled = sweep_workload(workload, budgets)
+    origin = "as given" if workload.pool_blocks else f"sized for the largest budget, {max(budgets)} blocks"
+    return (f"one pool of {pooled.num_pool_blocks} blocks of {pooled.block_size} ({origin}) for full KV and "
+            "every point: the same KV bytes everywhere")
+
+
 def run_sweep(workload: Workload, budgets: list[int], policies: list[str], model: str = "default",
               options: dict | None = None, loaded=None, interleave: bool = True, log=None) -> dict:
-    """Full KV once and every (policy, budget) on one pool sized for the largest budget."""
+    """Full KV once and every (policy, budget) on one pool (sized for the largest budget unless given)."""
     from zipage_jax.models.loading import load_model
 
     if not budgets or not policies or min(budgets) < 1:
         raise ValueError("a sweep needs budgets >= 1 and at least one policy")
     options = {k: v for k, v in (options or {}).items() if k != "eviction_policy"}
+    note = pool_note(workload, budgets)
     workload = sweep_workload(workload, sorted(set(budgets)))
     workload.check()
     loaded = loaded or load_model(model, dtype=options.get("dtype"))
@@ -370,8 +379,7 @@ def run_sweep(workload: Workload, budgets: list[int], policies: list[str], model
         "policies": list(dict.fromkeys(policies)),
         "pool_blocks": workload.num_pool_blocks,
         "pool_tokens": pool_tokens,
-        "pool_note": f"one pool of {workload.num_pool_blocks} blocks for full KV and every point "
-                     f"(sized for the largest budget, {max(budgets)} blocks): the same KV bytes everywhere",
+        "pool_note": note,
         "mean_final_len": mean_len,
         "full_kv_capacity_seqs": pool_tokens / mean_len,
         "model": str(loaded.source),
@@ -468,8 +476,7 @@ def main_sweep(args, workload: Workload, model: str, options: dict, log) -> int:
     policies = args.policies or ["zipage", "window"]
     pooled = sweep_workload(workload, budgets)
     log(f"sweep: {pooled.requests} requests, prompts {pooled.prompt_len_min}-{pooled.prompt_len_max} tokens, "
-        f"{pooled.max_tokens} generated each; ONE pool of {pooled.num_pool_blocks} blocks of {pooled.block_size} "
-        f"(sized for the largest budget, {max(budgets)} blocks) for full KV and every point; "
+        f"{pooled.max_tokens} generated each; {pool_note(workload, budgets)}; "
         f"budgets {budgets} blocks, policies {policies}")
     summary = run_sweep(workload, budgets, policies, model, options, interleave=not args.sequential, log=log)
     log(summary["pool_note"])
