@@ -27,6 +27,9 @@ from zipage_jax.models.decoder import DecoderFns, split
 from zipage_jax.models.loading import LoadedModel
 
 
+_MIN_TABLE_TOKENS = 128
+
+
 def bucket(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
     n = max(n, minimum)
@@ -164,7 +167,9 @@ class ModelRunner:
         pages_per_block = bs // page
         b = bucket(len(chunks))
         c = bucket(max(ch.num_tokens for ch in chunks), 1 if all(ch.num_tokens == 1 for ch in chunks) else 16)
-        w = bucket(max(-(-(ch.seq.num_kv_slots + ch.num_tokens) // page) for ch in chunks))
+        # at least _MIN_TABLE_TOKENS per row, so a short generation does not compile one step per width
+        w = bucket(max(-(-(ch.seq.num_kv_slots + ch.num_tokens) // page) for ch in chunks),
+                   max(1, _MIN_TABLE_TOKENS // page))
         pad_query = self.num_query_slots * ql
         tokens = np.zeros((b, c), np.int32)
         positions = np.zeros((b, c), np.int32)
