@@ -15,7 +15,7 @@ the reference's, in place.
   local context, and 16 cached queries estimate long-range importance noisily, so giving a
   fixed share of the budget to the recent past replaces the noisiest choices with safe ones.
   The default share, 0.75, was the best of 0.25 / 0.5 / 0.75 on teacher-forced perplexity
-  (docs/RESULTS_quality.md).
+  (docs/RESULTS.md, "Quality").
 - "vnorm-window": "window" with each token's attention score multiplied by the L2 norm of its
   value (VATP: Guo et al., "Attention Score is not All You Need for Token Importance Indicator
   in KV Cache Reduction: Value Also Matters", EMNLP 2024): a token adds attention * value to the
