@@ -73,6 +73,13 @@ def test_batch_composition_does_not_change_greedy_output(llm, expected):
     assert reordered[::-1] == expected
 
 
+@pytest.mark.parametrize("block_size", [64, 256])
+def test_large_blocks_read_as_pages_give_the_same_output(llama_dir, expected, block_size):
+    # the XLA path gathers only the 16-token pages of these blocks that the longest row needs
+    llm = make_llm(llama_dir, kvcache_block_size=block_size, num_kvcache_blocks=9, attention_backend="xla")
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+
+
 def test_chunked_prefill_matches_whole_prefill(llama_dir, expected):
     small = make_llm(llama_dir, max_num_batched_tokens=16)
     assert token_ids(small.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
