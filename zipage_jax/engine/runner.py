@@ -27,7 +27,7 @@ from zipage_jax.models.decoder import DecoderFns, split
 from zipage_jax.models.loading import LoadedModel
 
 
-_MIN_TABLE_TOKENS = 128
+_MIN_TABLE_TOKENS = 64  # 128 cost ~7% at batch 64 (more tokens gathered per row)
 
 
 def bucket(n: int, minimum: int = 1) -> int:
