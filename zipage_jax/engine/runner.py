@@ -78,10 +78,10 @@ class ModelRunner:
         self.config = config
         loaded, self.tp = shard_model(loaded, config.tensor_parallel_size)
         self.model_config = mc = loaded.config
-        self.fns, self.params = split(loaded.model)
+        self.fns, params = split(loaded.model)
         if self.tp is not None:
-            self.params = self.tp.place_params(self.params)
-        self.param_leaves, self.params_def = jax.tree.flatten(self.params)
+            params = self.tp.place_params(params)
+        self.param_leaves, self.params_def = jax.tree.flatten(params)
         self.block_size = config.kvcache_block_size
         self.query_cache_len = config.query_cache_len
         self.num_query_slots = num_query_slots
@@ -102,6 +102,11 @@ class ModelRunner:
         # Asynchronous (default): a compaction is dispatched and the host goes on to the next
         # decode at once. Off (or profiling): the host waits for each compaction and times it.
         self.profile_compress = not config.enable_async_compress
+
+    @property
+    def params(self):
+        """The parameters as an nnx.State (the jitted step takes them flat)."""
+        return jax.tree.unflatten(self.params_def, self.param_leaves)
 
     # -- compression ----------------------------------------------------------------------
 
@@ -171,10 +176,11 @@ class ModelRunner:
         w = bucket(max(-(-(ch.seq.num_kv_slots + ch.num_tokens) // page) for ch in chunks),
                    max(1, _MIN_TABLE_TOKENS // page))
         pad_query = self.num_query_slots * ql
+        caches_queries = any(ch.seq.query_slot is not None for ch in chunks)
         tokens = np.zeros((b, c), np.int32)
         positions = np.zeros((b, c), np.int32)
         slots = np.full((b, c), DUMMY_BLOCK * bs, np.int32)
-        query_index = np.full((b, c), pad_query, np.int32)
+        query_index = np.full((b, c), pad_query, np.int32) if caches_queries else None
         tables = np.full((b, w), DUMMY_BLOCK, np.int32)
         kv_lens = np.zeros((b, c), np.int32)
         last_index = np.zeros(b, np.int32)
@@ -193,6 +199,4 @@ class ModelRunner:
             if seq.query_slot is not None:
                 offset = phys % bs - (bs - ql)
                 query_index[row, :n] = np.where(offset >= 0, seq.query_slot * ql + offset, pad_query)
-        caches_queries = any(ch.seq.query_slot is not None for ch in chunks)
-        return StepInputs(tokens, positions, slots, query_index if caches_queries else None, tables, kv_lens,
-                          last_index)
+        return StepInputs(tokens, positions, slots, query_index, tables, kv_lens, last_index)
