@@ -16,15 +16,15 @@ sequences of one policy batched in one engine (per-request `kv_budget`):
 ppl_ratio = full-KV perplexity / compressed perplexity over the same tokens (1.0 = no loss).
 The last line with --json is {"results": [{"policy", "budget_fraction", "ppl_ratio", ...}, ...]}.
 
-Teacher forcing drives `llm.engine` directly: the runner's dispatch is replaced by one that
-forwards and samples as usual, then overwrites each forced row's token with the forced one and
-its log-probability with the forced token's (from the full distribution).
+Teacher forcing is the engine's own: `SamplingParams(forced_token_ids=...)` decodes the forced
+tokens one per step (so compression runs as in generation) and reports their log-probabilities
+from the full distribution. Policies that differ only in `eviction_policy` (a per-request
+option) share one engine; the others get one engine each (see POLICIES).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import hashlib
 import json
@@ -32,12 +32,12 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-POLICIES = {  # name -> engine options (full KV runs inside every engine with kv_budget=0)
+POLICIES = {  # name -> options: eviction_policy goes to each request, the rest to the engine
     "full": {},
     "streaming": dict(eviction_policy="streaming"),
     "zipage-attn": dict(eviction_policy="zipage"),
@@ -91,98 +91,28 @@ class JobResult:
 # -- teacher forcing through the engine ----------------------------------------------------------
 
 
-@functools.cache
-def _forward_forced():
-    import jax
-    import jax.numpy as jnp
-
-    from zipage_jax.layers.paged_attention import paged_attention_fn
-    from zipage_jax.layers.sampler import sample
-
-    @functools.partial(jax.jit, static_argnames=("fns", "flags", "backend"), donate_argnames=("kv",))
-    def forward(fns, params, kv, inputs, sampling, forced, *, flags, backend):
-        """The runner's forward-and-sample, then forced rows (forced[b] >= 0) take the forced token."""
-        hidden, kv = fns.forward(params, inputs.tokens, inputs.positions, paged_attention_fn(inputs, backend), kv)
-        last = jnp.take_along_axis(hidden, inputs.last_index[:, None, None], axis=1)[:, 0]  # [B, E]
-        logits = fns.logits(params, last).astype(jnp.float32)  # [B, V]
-        out = sample(logits, sampling, flags)
-        forced_lp = jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.maximum(forced, 0)[:, None], axis=-1)[:, 0]
-        is_forced = forced >= 0
-        return kv, out._replace(token_ids=jnp.where(is_forced, forced, out.token_ids),
-                                logprobs=jnp.where(is_forced, forced_lp, out.logprobs))
-
-    return forward
+def engine_group(policy: str) -> tuple:
+    """The engine options a policy needs (everything but the per-request eviction_policy)."""
+    return tuple(sorted((k, v) for k, v in POLICIES[policy].items() if k != "eviction_policy"))
 
 
-class TeacherForcing:
-    """Installs forced decoding on an LLM's engine; `run` runs jobs at once, each under its own
-    policy and budget: compressions are grouped by (policy, budget) and each group gets the
-    engine's CompressionConfig with the policy's options (the engine keeps a score cache)."""
+def teacher_force(llm, jobs: list[Job], budgets: list[int], policies: list[str]) -> list[JobResult]:
+    """Runs `jobs` at once; budgets[i], policies[i]: kv_budget tokens (0 = full KV) and policy of
+    jobs[i], whose engine options must be `llm`'s (see engine_group)."""
+    from zipage_jax import SamplingParams
 
-    def __init__(self, llm):
-        self.llm = llm
-        self.engine = llm.engine
-        self.forced: dict[str, list[int]] = {}
-        self.policy: dict[str, str] = {}
-        self.engine.runner._dispatch = self._dispatch
-        self.engine.runner.compress = self._compress
-
-    def _dispatch(self, chunks, rows):
-        from zipage_jax.layers.sampler import SamplingBatch
-
-        runner = self.engine.runner
-        inputs = runner._inputs(chunks)
-        sampling, flags = SamplingBatch.build(rows, inputs.tokens.shape[0])
-        forced = np.full(inputs.tokens.shape[0], -1, np.int32)
-        for row, chunk in enumerate(chunks):
-            tokens = self.forced.get(chunk.seq.request_id, ())
-            k = chunk.seq.num_output_tokens
-            if chunk.samples and k < len(tokens):
-                forced[row] = tokens[k]
-        runner.kv, out = _forward_forced()(runner.fns, runner.params, runner.kv, inputs, sampling, forced,
-                                           flags=flags, backend=runner.backend)
-        return out
-
-    def _compress(self, plans) -> None:
-        runner = self.engine.runner
-        groups: dict[tuple[str, int], list] = {}
-        for plan in plans:
-            groups.setdefault((self.policy[plan.seq.request_id], plan.seq.budget_blocks), []).append(plan)
-        for (policy, budget_blocks), group in groups.items():
-            cfg = dataclasses.replace(runner.config.compression(budget_blocks), **POLICIES[policy])
-            runner._compress_group(cfg, group)
-
-    def run(self, jobs: list[Job], budgets: list[int], policies: list[str]) -> list[JobResult]:
-        """budgets[i], policies[i]: kv_budget tokens (0 = full KV) and policy name of jobs[i]."""
-        from zipage_jax import SamplingParams
-
-        ids = []
-        for job, budget, policy in zip(jobs, budgets, policies):
-            params = SamplingParams(temperature=0, max_tokens=len(job.forced) + job.free, ignore_eos=True,
-                                    logprobs=0, kv_budget=budget)
-            request_id = self.engine.add_request(job.prompt, params)
-            self.forced[request_id], self.policy[request_id] = job.forced, policy
-            ids.append(request_id)
-        finals = {}
-        try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        finals[out.request_id] = out
-        finally:
-            for request_id in ids:
-                self.forced.pop(request_id, None)
-                self.policy.pop(request_id, None)
-        results = []
-        for job, request_id in zip(jobs, ids):
-            completion = finals[request_id].outputs[0]
-            n = len(job.forced)
-            if completion.token_ids[:n] != job.forced:
-                raise RuntimeError("forced tokens were not all decoded as forced")
-            logprobs = np.array([lp.logprob for lp in completion.logprobs[:n]], np.float64)
-            free = completion.token_ids[n:]
-            results.append(JobResult(logprobs, free, self.llm.tokenizer.decode(free)))
-        return results
+    params = [SamplingParams(temperature=0, max_tokens=len(job.forced) + job.free, ignore_eos=True, logprobs=0,
+                             kv_budget=budget, eviction_policy=POLICIES[policy].get("eviction_policy"),
+                             forced_token_ids=job.forced)
+              for job, budget, policy in zip(jobs, budgets, policies)]
+    outs = llm.generate([job.prompt for job in jobs], params, use_tqdm=False)
+    results = []
+    for job, out in zip(jobs, outs):
+        n = len(job.forced)
+        logprobs = np.array([lp["logprob"] for lp in out["logprobs"][:n]], np.float64)
+        free = out["token_ids"][n:]
+        results.append(JobResult(logprobs, free, llm.tokenizer.decode(free)))
+    return results
 
 
 # -- workloads ---------------------------------------------------------------------------------
@@ -261,10 +191,9 @@ def reasoning_job(llm, length: int, seed: int = 0) -> Job:
 # -- evaluation --------------------------------------------------------------------------------
 
 
-def engine_options(args) -> dict:
+def engine_options(args, group: tuple = ()) -> dict:
     return dict(kvcache_block_size=args.block_size, query_cache_len=args.query_cache_len,
-                max_num_batched_tokens=max(2048, args.length), max_model_len=args.length + 64,
-                use_global_score=True)  # the score cache exists; each policy says whether it uses it
+                max_num_batched_tokens=max(2048, args.length), max_model_len=args.length + 64, **dict(group))
 
 
 def pool_blocks(jobs: list[Job], budgets: list[int], block_size: int) -> int:
@@ -277,21 +206,27 @@ def pool_blocks(jobs: list[Job], budgets: list[int], block_size: int) -> int:
     return total
 
 
-def make_llm(loaded, args, num_blocks: int, max_num_seqs: int):
+def make_llm(loaded, args, num_blocks: int, max_num_seqs: int, group: tuple = ()):
     from zipage_jax import LLM
     from zipage_jax.engine.llm_engine import LLMEngine
 
     llm = LLM.__new__(LLM)  # one loaded model shared by every engine
     llm.engine = LLMEngine(loaded=loaded, num_kvcache_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                           **engine_options(args))
+                           **engine_options(args, group))
     llm.tokenizer = llm.engine.tokenizer
     return llm
 
 
 def run_batch(loaded, args, jobs: list[Job], budgets: list[int], policies: list[str]) -> tuple[list[JobResult], float]:
-    llm = make_llm(loaded, args, pool_blocks(jobs, budgets, args.block_size), len(jobs))
+    """One engine per group of policies that share engine options, each running its jobs at once."""
+    results: list[JobResult | None] = [None] * len(jobs)
     start = time.perf_counter()
-    results = TeacherForcing(llm).run(jobs, budgets, policies)
+    for group in dict.fromkeys(engine_group(p) for p in policies):
+        idx = [i for i, p in enumerate(policies) if engine_group(p) == group]
+        mine = [jobs[i] for i in idx]
+        llm = make_llm(loaded, args, pool_blocks(mine, [budgets[i] for i in idx], args.block_size), len(mine), group)
+        for i, res in zip(idx, teacher_force(llm, mine, [budgets[i] for i in idx], [policies[i] for i in idx])):
+            results[i] = res
     return results, time.perf_counter() - start
 
 

@@ -54,6 +54,41 @@ def test_mixed_batch_gives_each_request_its_solo_output(llm):
     assert together[1]["metrics"]["num_compressions"] > 0
 
 
+def test_per_request_eviction_policy_matches_an_engine_with_that_policy(llm):
+    budget = 2 * BS
+    policies = ["streaming", "window", None]  # None: the engine's (zipage with global score, pooling, redundancy)
+    params = [SamplingParams(temperature=0, max_tokens=70, ignore_eos=True, kv_budget=budget, eviction_policy=p)
+              for p in policies]
+    together = [o["token_ids"] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    for prompt, policy, tokens in zip(PROMPTS[:2], policies, together):
+        alone = make_llm(eviction_policy=policy).generate([prompt], greedy(70, kv_budget=budget), use_tqdm=False)
+        assert alone[0]["token_ids"] == tokens
+    assert together[2] == llm.generate([PROMPTS[2]], greedy(70, kv_budget=budget), use_tqdm=False)[0]["token_ids"]
+    streamed = llm.generate([PROMPTS[0]] * 2, [params[0], params[1]], use_tqdm=False)
+    assert streamed[0]["token_ids"] != streamed[1]["token_ids"]  # the policies do differ here
+
+
+def test_forced_tokens_are_decoded_through_compression(llm):
+    """Teacher forcing the tokens greedy decoding chose reproduces its tokens and log-probabilities,
+    compactions included; then generation goes on greedily from there."""
+    budget = 2 * BS
+    plain = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=90, ignore_eos=True, logprobs=0,
+                                                      kv_budget=budget), use_tqdm=False)[0]
+    forced = SamplingParams(temperature=0.9, seed=3, max_tokens=90, ignore_eos=True, logprobs=0, kv_budget=budget,
+                            forced_token_ids=plain["token_ids"][:80])
+    out = llm.generate([PROMPTS[1]], forced, use_tqdm=False)[0]
+    assert out["token_ids"][:80] == plain["token_ids"][:80]
+    assert out["metrics"]["num_compressions"] == plain["metrics"]["num_compressions"] > 0
+    lp = [d["logprob"] for d in out["logprobs"][:80]]
+    assert lp == pytest.approx([d["logprob"] for d in plain["logprobs"][:80]], abs=1e-5)
+    with pytest.raises(ValueError, match="forced_token_ids must be integers in"):
+        llm.generate(["hi"], SamplingParams(forced_token_ids=[10**9]), use_tqdm=False)
+    with pytest.raises(ValueError, match="more than max_tokens"):
+        SamplingParams(max_tokens=2, forced_token_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match="eviction_policy must be one of"):
+        SamplingParams(eviction_policy="h2o")
+
+
 def run_two_overlapping(llm: LLM, prompt: str, params: SamplingParams) -> list:
     """The second request arrives once the first has prefilled, so it can share its prompt blocks."""
     engine = llm.engine

@@ -43,7 +43,7 @@ def test_forced_logprobs_are_the_engines_own(loaded, args):
     plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0,
                                                   kv_budget=0), use_tqdm=False)[0]
     job = eq.Job("text:t", prompt, plain["token_ids"][:30], free=10)
-    (res,) = eq.TeacherForcing(llm).run([job], [0], ["full"])
+    (res,) = eq.teacher_force(llm, [job], [0], ["full"])
     expected = [d["logprob"] for d in plain["logprobs"]]
     np.testing.assert_allclose(res.logprobs, expected[:30], rtol=0, atol=1e-5)
     assert res.generated == plain["token_ids"][30:40]
@@ -53,8 +53,8 @@ def test_compression_changes_only_tokens_after_the_first_compaction(loaded, args
     jobs = _jobs(free=8)
     budget = 64  # 4 blocks: the first compaction comes when the 6th block is needed (token 80)
     llm = eq.make_llm(loaded, args, eq.pool_blocks(jobs * 3, [0, 0, budget, budget, budget, budget], 16), 6)
-    results = eq.TeacherForcing(llm).run(jobs * 3, [0, 0, budget, budget, budget, budget],
-                                         ["full", "full", "zipage-attn", "zipage-attn", "streaming", "streaming"])
+    results = eq.teacher_force(llm, jobs * 3, [0, 0, budget, budget, budget, budget],
+                               ["full", "full", "zipage-attn", "zipage-attn", "streaming", "streaming"])
     full, attn, streaming = results[:2], results[2:4], results[4:]
     before = 5 * 16 - 16  # forced tokens decoded before any compaction (the prompt is 16 tokens)
     for ref, mine in zip(full * 2, attn + streaming):
@@ -64,6 +64,23 @@ def test_compression_changes_only_tokens_after_the_first_compaction(loaded, args
     assert any(not np.allclose(a.logprobs, s.logprobs) for a, s in zip(attn, streaming))
     row = eq.summarise("streaming", 0.4, jobs, streaming, full)
     assert 0 < row["ppl_ratio"] != 1.0 and 0 <= row["agreement"] <= 1 and row["passkey_accuracy"] is None
+
+
+def test_each_policy_runs_with_its_own_engine_options(loaded, args):
+    """Mixed in one batch, every policy gives what an engine built for it alone gives."""
+    jobs = _jobs()
+    budget = 64
+    names = ["zipage-attn", "zipage", "window", "window-global"]
+    mixed, _ = eq.run_batch(loaded, args, jobs * 4, [budget] * 8, [n for n in names for _ in jobs])
+    for k, name in enumerate(names):
+        options = dict(eq.POLICIES[name])
+        llm = eq.make_llm(loaded, args, eq.pool_blocks(jobs, [budget] * 2, 16), 2,
+                          tuple(sorted(options.items())))  # eviction_policy as an engine option
+        alone = eq.teacher_force(llm, jobs, [budget] * 2, ["full"] * 2)  # "full" sets no per-request policy
+        for a, b in zip(mixed[2 * k:2 * k + 2], alone):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-4)  # batch-size rounding
+    assert np.abs(mixed[0].logprobs - mixed[2].logprobs).max() > 1e-2  # zipage-attn != zipage
+    assert np.abs(mixed[4].logprobs - mixed[6].logprobs).max() > 1e-2  # window != window-global
 
 
 def test_summarise_ratio_and_agreement():

@@ -237,6 +237,20 @@ def test_logprobs_are_raw_log_softmax(vocab):
     assert np.all(np.diff(out.top_logprobs, axis=-1) <= 0)
 
 
+def test_forced_rows_output_the_forced_token_with_its_log_softmax():
+    x = _logits(3)
+    rows = [SamplingRow(SP(temperature=0), seed=0, forced_id=7),
+            SamplingRow(SP(temperature=0.8, top_k=2), seed=1, forced_id=int(np.argmin(x[1]))),
+            SamplingRow(SP(temperature=0), seed=2)]  # not forced: argmax
+    out, flags = _run(x, rows, batch_size=4)
+    assert flags.any_forced
+    assert out.token_ids[:3].tolist() == [7, int(np.argmin(x[1])), int(np.argmax(x[2]))]
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
+    np.testing.assert_allclose(out.logprobs[:3], ref[np.arange(3), out.token_ids[:3]], rtol=1e-5, atol=1e-5)
+    _, flags = _run(x[2:], rows[2:])
+    assert not flags.any_forced
+
+
 def test_no_logprobs_gives_empty_top_arrays():
     out, flags = _run(_logits(2), [SamplingRow(SP(temperature=0), seed=0)] * 2)
     assert flags.num_logprobs == 0 and out.top_ids.shape == (2, 0) and out.top_logprobs.shape == (2, 0)

@@ -219,7 +219,8 @@ def test_logprobs(server):
 def test_kv_budget_compresses(server):
     before = metrics(server)
     out = server.client.completions.create(model=MODEL, prompt="Compress me", max_tokens=64, temperature=0,
-                                           extra_body={"ignore_eos": True, "kv_budget": 32})
+                                           extra_body={"ignore_eos": True, "kv_budget": 32,
+                                                       "eviction_policy": "streaming"})
     after = metrics(server)
     assert out.usage.completion_tokens == 64
     assert after["zipage:compressions_total"] > before["zipage:compressions_total"]
@@ -270,6 +271,7 @@ BAD = [
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": -1}, 400, "kv_budget"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": 10**6}, 400, "kv_budget"),  # > the pool
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "eviction_policy": "h2o"}, 400, "eviction_policy"),
     (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),

@@ -6,6 +6,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from zipage_jax.config import EVICTION_POLICIES
+
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20
 
@@ -30,6 +32,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_budget: int | None = None  # KV tokens kept (rounded up to blocks): None = engine default, 0 = full KV
+    eviction_policy: str | None = None  # this request's eviction rule (EVICTION_POLICIES); None = the engine's
+    # Teacher forcing: the first output tokens are these instead of sampled ones, decoded one per step
+    # (so compression runs as in generation); their log-probabilities are reported as for sampled tokens.
+    forced_token_ids: Sequence[int] | None = None  # normalised to a tuple
 
     def __post_init__(self) -> None:
         _integer("n", self.n, low=1)
@@ -50,7 +56,7 @@ class SamplingParams:
         if self.seed is not None:
             _integer("seed", self.seed)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
-        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -62,6 +68,13 @@ class SamplingParams:
             _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.kv_budget is not None:
             _integer("kv_budget", self.kv_budget, low=0)
+        if self.eviction_policy is not None and self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
+                             f"got {self.eviction_policy!r}")
+        object.__setattr__(self, "forced_token_ids", _token_ids("forced_token_ids", self.forced_token_ids))
+        if len(self.forced_token_ids) > self.max_tokens:
+            raise ValueError(f"forced_token_ids holds {len(self.forced_token_ids)} tokens, more than "
+                             f"max_tokens={self.max_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -93,10 +106,10 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
     return tuple(strings)
 
 
-def _token_ids(ids: object) -> tuple[int, ...]:
+def _token_ids(name: str, ids: object) -> tuple[int, ...]:
     if ids is None:
         return ()
     valid = isinstance(ids, (list, tuple)) and all(type(i) is int and i >= 0 for i in ids)
     if not valid:
-        raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {ids!r}")
+        raise ValueError(f"{name} must be a list of non-negative integers, got {ids!r}")
     return tuple(ids)

@@ -122,6 +122,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         token_ids, text = self._tokenize(prompt)
+        self._check_vocab("forced_token_ids", params.forced_token_ids)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit} "
@@ -153,11 +154,14 @@ class LLMEngine:
             return list(self.tokenizer(prompt)["input_ids"]), prompt
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-        vocab = self.loaded.config.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        self._check_vocab("prompt token ids", prompt)
         return [int(t) for t in prompt], None
+
+    def _check_vocab(self, name: str, token_ids) -> None:
+        vocab = self.loaded.config.vocab_size
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                raise ValueError(f"{name} must be integers in [0, {vocab}), got {t!r}")
 
     def _budget_blocks(self, params: SamplingParams) -> int | None:
         bs = self.config.kvcache_block_size
@@ -216,9 +220,11 @@ class LLMEngine:
         return [self._output(r, deltas) for r in touched.values()]
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        return SamplingRow(params=seq.params, seed=seq.seed, step=seq.num_output_tokens,
+        forced = seq.params.forced_token_ids
+        step = seq.num_output_tokens
+        return SamplingRow(params=seq.params, seed=seq.seed, step=step,
                            token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-                           suppress_ids=self._suppressed(seq))
+                           suppress_ids=self._suppressed(seq), forced_id=forced[step] if step < len(forced) else -1)
 
     def _suppressed(self, seq: Sequence) -> tuple[int, ...]:
         params = seq.params

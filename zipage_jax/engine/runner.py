@@ -7,6 +7,7 @@ waiting, so a compaction never blocks the host. Tokens come back once, at the en
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import dataclass
@@ -111,11 +112,14 @@ class ModelRunner:
     # -- compression ----------------------------------------------------------------------
 
     def compress(self, plans: list[CompressionPlan]) -> None:
-        by_budget: dict[int, list[CompressionPlan]] = {}
+        """One jitted compaction per (budget, eviction policy) among `plans`."""
+        groups: dict[tuple[int, str], list[CompressionPlan]] = {}
         for plan in plans:
-            by_budget.setdefault(plan.seq.budget_blocks, []).append(plan)
-        for budget_blocks, group in by_budget.items():
-            self._compress_group(self.config.compression(budget_blocks), group)
+            policy = plan.seq.params.eviction_policy or self.config.eviction_policy
+            groups.setdefault((plan.seq.budget_blocks, policy), []).append(plan)
+        for (budget_blocks, policy), group in groups.items():
+            cfg = dataclasses.replace(self.config.compression(budget_blocks), eviction_policy=policy)
+            self._compress_group(cfg, group)
 
     def _compress_group(self, cfg: CompressionConfig, plans: list[CompressionPlan]) -> None:
         b = bucket(len(plans))

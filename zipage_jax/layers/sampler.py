@@ -5,8 +5,8 @@ repetition penalty (prompt + output tokens), frequency and presence penalties (o
 tokens); then a greedy row takes the argmax and a random row divides by its temperature,
 keeps the tokens that pass top-k, top-p (over the top-k survivors) and min-p, and draws one
 of them by inverse CDF with a single uniform from fold_in(key(seed), step): a seeded
-request draws the same tokens whatever batch it is in. Log-probabilities come from the raw
-logits.
+request draws the same tokens whatever batch it is in. A row with a forced token (teacher
+forcing) outputs it instead. Log-probabilities come from the raw logits.
 
 Filters work on unnormalised probabilities p = exp(x - max x), so the kept set is
 {p >= max(t_top_k, t_top_p, min_p)} (ties at a threshold are all kept). The top-k and top-p
@@ -45,6 +45,7 @@ class SamplingRow:
     token_ids: Sequence[int] = ()  # prompt + output so far; read only when the row has a penalty
     num_prompt_tokens: int = 0
     suppress_ids: Sequence[int] = ()  # ids banned this step: EOS and stop ids while min_tokens is active
+    forced_id: int = -1  # teacher forcing: the token this step outputs whatever is sampled; -1 = none
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class SamplerFlags:
     any_penalty: bool = False  # some row has a repetition, presence or frequency penalty
     any_suppress: bool = False  # some row bans token ids (min_tokens)
     num_logprobs: int = 0  # top-N log-probabilities returned per row
+    any_forced: bool = False  # some row outputs a forced token
 
 
 @jax.tree_util.register_dataclass
@@ -73,6 +75,7 @@ class SamplingBatch:
     suppress_ids: jax.Array  # [B, S] i32 token ids banned this step, -1 = padding
     history: jax.Array  # [B, Lh] i32 penalised tokens (prompt first), -1 = padding
     num_prompt: jax.Array  # [B] i32 leading history entries that are prompt tokens
+    forced: jax.Array  # [B] i32 token each row outputs instead of its sample, -1 = none
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], batch_size: int) -> tuple["SamplingBatch", SamplerFlags]:
@@ -89,6 +92,7 @@ class SamplingBatch:
         seed = np.zeros(b, np.uint32)
         step = np.zeros(b, np.int32)
         num_prompt = np.zeros(b, np.int32)
+        forced = np.full(b, -1, np.int32)
         suppress: list[Sequence[int]] = [() for _ in range(b)]
         history: list[Sequence[int]] = [() for _ in range(b)]
         any_top_k_p = False
@@ -103,6 +107,7 @@ class SamplingBatch:
             seed[i] = row.seed % 2**32
             step[i] = row.step
             suppress[i] = row.suppress_ids
+            forced[i] = row.forced_id
             if sp.repetition_penalty != 1:
                 history[i], num_prompt[i] = row.token_ids, row.num_prompt_tokens
             elif sp.presence_penalty or sp.frequency_penalty:
@@ -120,6 +125,7 @@ class SamplingBatch:
             suppress_ids=_padded(suppress),
             history=_padded(history),
             num_prompt=num_prompt,
+            forced=forced,
         )
         flags = SamplerFlags(
             any_random=bool(temperature.any()),
@@ -127,6 +133,7 @@ class SamplingBatch:
             any_penalty=batch.history.shape[1] > 0,
             any_suppress=batch.suppress_ids.shape[1] > 0,
             num_logprobs=_logprobs_bucket(max(row.params.logprobs or 0 for row in rows)),
+            any_forced=bool((forced >= 0).any()),
         )
         return batch, flags
 
@@ -151,6 +158,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, flags: SamplerFlags) -> Samp
     if flags.any_penalty:
         x = _penalise(x, batch)
     token_ids = _sample_random(x, batch, flags.any_top_k_p) if flags.any_random else _argmax(x)
+    if flags.any_forced:
+        token_ids = jnp.where(batch.forced >= 0, batch.forced, token_ids)
     lse = jax.nn.logsumexp(raw, axis=-1)  # [B]
     logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - lse
     top_values, top_ids = _largest(raw, flags.num_logprobs)

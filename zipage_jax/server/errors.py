@@ -16,7 +16,7 @@ _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "inva
 # ValueError messages from SamplingParams / the engine start with the offending field's name
 _ENGINE_PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "max_tokens",
-                  "logprobs", "kv_budget", "prompt", "skip_special_tokens", "include_stop_str_in_output")
+                  "logprobs", "kv_budget", "eviction_policy", "prompt", "skip_special_tokens", "include_stop_str_in_output")
 
 
 class OpenAIError(Exception):

@@ -42,6 +42,8 @@ class SamplingFields(_Strict):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     kv_budget: int | None = Field(None, description="KV tokens kept per sequence; 0 = full KV (zipage extension)")
+    eviction_policy: str | None = Field(None, description="which tokens a full sequence keeps: zipage, streaming, "
+                                        "window or vnorm-window; default: the server's (zipage extension)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -49,7 +51,7 @@ class SamplingFields(_Strict):
     SAMPLING: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
         "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
-        "include_stop_str_in_output", "kv_budget")
+        "include_stop_str_in_output", "kv_budget", "eviction_policy")
 
     @property
     def include_usage(self) -> bool:
