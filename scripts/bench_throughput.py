@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_sweep(args, workload: Workload, model: str, options: dict, log) -> int:
     budgets = args.budgets or [workload.budget_blocks]
-    policies = args.policies or ["zipage", "window"]
+    policies = args.policies or ["zipage", "vnorm-window"]
     pooled = sweep_workload(workload, budgets)
     log(f"sweep: {pooled.requests} requests, prompts {pooled.prompt_len_min}-{pooled.prompt_len_max} tokens, "
         f"{pooled.max_tokens} generated each; {pool_note(workload, budgets)}; "

@@ -37,20 +37,22 @@ from pathlib import Path
 
 import numpy as np
 
-POLICIES = {  # name -> options: eviction_policy goes to each request, the rest to the engine
+POLICIES = {  # name -> options: eviction_policy goes to each request, the rest to the engine (whose
+    # use_global_score is off unless a policy turns it on)
     "full": {},
     "streaming": dict(eviction_policy="streaming"),
-    "zipage-attn": dict(eviction_policy="zipage"),
+    "zipage-attn": dict(eviction_policy="zipage"),  # attention only
+    "zipage-global": dict(eviction_policy="zipage", use_global_score=True),
     "zipage": dict(eviction_policy="zipage", use_global_score=True, enable_pooling=True, redundancy="lightning"),
-    # issue 8 (zipage_jax/compress/policies.py)
-    "window": dict(eviction_policy="window"),  # recent_fraction 0.75 (the default)
-    "window-25": dict(eviction_policy="window", recent_fraction=0.25),
-    "window-50": dict(eviction_policy="window", recent_fraction=0.5),
-    "window-pool": dict(eviction_policy="window", enable_pooling=True),
-    "window-global": dict(eviction_policy="window", use_global_score=True),
-    "vnorm-window": dict(eviction_policy="vnorm-window"),
+    # issue 8 (zipage_jax/compress/policies.py); "vnorm-window" is the engine's default
+    "window": dict(eviction_policy="window", use_global_score=True),  # recent_fraction 0.75 (the default)
+    "window-attn": dict(eviction_policy="window"),  # without the global score
+    "window-25": dict(eviction_policy="window", use_global_score=True, recent_fraction=0.25),
+    "window-50": dict(eviction_policy="window", use_global_score=True, recent_fraction=0.5),
+    "window-pool": dict(eviction_policy="window", use_global_score=True, enable_pooling=True),
+    "vnorm-window": dict(eviction_policy="vnorm-window", use_global_score=True),
 }
-DEFAULT_POLICIES = ["full", "streaming", "zipage-attn", "zipage", "window"]
+DEFAULT_POLICIES = ["full", "streaming", "zipage-attn", "zipage", "window", "vnorm-window"]
 BUDGETS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
 STDLIB_TEXTS = ("argparse.py", "pydoc_data/topics.py")  # source code; English documentation
 PROMPT_TOKENS = 16  # tokens prefilled before forcing starts
@@ -193,7 +195,8 @@ def reasoning_job(llm, length: int, seed: int = 0) -> Job:
 
 def engine_options(args, group: tuple = ()) -> dict:
     return dict(kvcache_block_size=args.block_size, query_cache_len=args.query_cache_len,
-                max_num_batched_tokens=max(2048, args.length), max_model_len=args.length + 64, **dict(group))
+                max_num_batched_tokens=max(2048, args.length), max_model_len=args.length + 64,
+                **{"use_global_score": False, **dict(group)})
 
 
 def pool_blocks(jobs: list[Job], budgets: list[int], block_size: int) -> int:

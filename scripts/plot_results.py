@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                                                         "or one file whose last line is a bench_throughput sweep")
     p.add_argument("--out", type=Path, help="default: docs/quality_vs_budget.png, or "
                                             "docs/throughput_vs_budget.png for a sweep")
+    p.add_argument("--policies", nargs="+", help="quality plot: only these policies (and full KV)")
     args = p.parse_args(argv)
     sweeps = [load_json(path) for path in args.results]
     if any("sweep" in data for data in sweeps):
@@ -155,7 +156,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {out} ({', '.join(policies)})")
         return
     out = args.out or Path("docs/quality_vs_budget.png")
-    metrics = plot(merge(args.results), out)
+    rows = merge(args.results)
+    if args.policies:
+        rows = [r for r in rows if r["policy"] in {"full", *args.policies}]
+    metrics = plot(rows, out)
     print(f"wrote {out} ({', '.join(metrics)})")
 
 

@@ -56,7 +56,7 @@ def test_mixed_batch_gives_each_request_its_solo_output(llm):
 
 def test_per_request_eviction_policy_matches_an_engine_with_that_policy(llm):
     budget = 2 * BS
-    policies = ["streaming", "window", None]  # None: the engine's (zipage with global score, pooling, redundancy)
+    policies = ["streaming", "window", None]  # None: the engine's eviction_policy
     params = [SamplingParams(temperature=0, max_tokens=70, ignore_eos=True, kv_budget=budget, eviction_policy=p)
               for p in policies]
     together = [o["token_ids"] for o in llm.generate(PROMPTS, params, use_tqdm=False)]

@@ -70,7 +70,7 @@ def test_each_policy_runs_with_its_own_engine_options(loaded, args):
     """Mixed in one batch, every policy gives what an engine built for it alone gives."""
     jobs = _jobs()
     budget = 64
-    names = ["zipage-attn", "zipage", "window", "window-global"]
+    names = ["zipage-attn", "zipage", "window-attn", "window"]
     mixed, _ = eq.run_batch(loaded, args, jobs * 4, [budget] * 8, [n for n in names for _ in jobs])
     for k, name in enumerate(names):
         options = dict(eq.POLICIES[name])
@@ -80,7 +80,7 @@ def test_each_policy_runs_with_its_own_engine_options(loaded, args):
         for a, b in zip(mixed[2 * k:2 * k + 2], alone):
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-4)  # batch-size rounding
     assert np.abs(mixed[0].logprobs - mixed[2].logprobs).max() > 1e-2  # zipage-attn != zipage
-    assert np.abs(mixed[4].logprobs - mixed[6].logprobs).max() > 1e-2  # window != window-global
+    assert np.abs(mixed[4].logprobs - mixed[6].logprobs).max() > 1e-2  # window-attn != window (global score)
 
 
 def test_summarise_ratio_and_agreement():
@@ -123,6 +123,9 @@ def test_plot_writes_png(tmp_path):
     plot_results.main([str(src), "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_results.plot(rows, out) == ["ppl_ratio", "agreement"]
+    plot_results.main([str(src), "--out", str(out), "--policies", "window"])
+    with pytest.raises(ValueError, match="no compressed policy"):
+        plot_results.main([str(src), "--out", str(out), "--policies", "nope"])
     src.write_text("{}\n")
     with pytest.raises(ValueError, match="results"):
         plot_results.load_rows(src)
