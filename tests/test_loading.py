@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from zipage_jax.models import loading
 from zipage_jax.models.loading import load_model
-from zipage_jax.models.weights import flat_params
+from zipage_jax.models.weights import flat_params, split_qkv
 
 
 def _copy(src, dst):
@@ -25,11 +25,13 @@ def _copy(src, dst):
 def test_sharded_checkpoint_loads_every_tensor(tiny_model_dir, tmp_path):
     assert len(list(tiny_model_dir.glob("model-*.safetensors"))) > 1
     loaded = load_model(str(tiny_model_dir), dtype="float32", cache_dir=str(tmp_path))
-    params = flat_params(loaded.model)
+    cfg, params = loaded.config, flat_params(loaded.model)
     ref = {k: v for f in tiny_model_dir.glob("*.safetensors") for k, v in load_file(f).items()}
-    assert len(params) == len(ref)
-    np.testing.assert_array_equal(params["layers.1.self_attn.k_proj.kernel"], ref["model.layers.1.self_attn.k_proj.weight"].T)
-    np.testing.assert_array_equal(params["layers.0.self_attn.q_proj.bias"], ref["model.layers.0.self_attn.q_proj.bias"])
+    assert len(params) == len(ref) - 2 * 2 * cfg.num_layers  # q/k/v kernels and biases fused three to one
+    _, k, _ = split_qkv(params["layers.1.self_attn.qkv_proj.kernel"], cfg.num_heads, cfg.num_kv_heads)
+    np.testing.assert_array_equal(k, ref["model.layers.1.self_attn.k_proj.weight"].T)
+    q, _, _ = split_qkv(params["layers.0.self_attn.qkv_proj.bias"], cfg.num_heads, cfg.num_kv_heads)
+    np.testing.assert_array_equal(q, ref["model.layers.0.self_attn.q_proj.bias"])
     np.testing.assert_array_equal(params["lm_head.weight"], ref["lm_head.weight"])
     np.testing.assert_array_equal(params["norm.weight"], ref["model.norm.weight"])
 

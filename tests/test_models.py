@@ -16,6 +16,7 @@ from zipage_jax.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin
 from zipage_jax.models.config import ModelConfig, RopeScaling
 from zipage_jax.models.decoder import Decoder, split
 from zipage_jax.models.loading import load_model
+from zipage_jax.models.weights import split_qkv
 
 torch = pytest.importorskip("torch")
 
@@ -194,12 +195,14 @@ def test_attn_fn_receives_normed_roped_q_k():
 
     attn = model.layers[0].self_attn
     x = model.layers[0].input_layernorm(model.embed_tokens(ids))
-    q = rms_norm(attn.q_proj(x).reshape(1, 3, cfg.num_heads, cfg.head_dim), attn.q_norm.weight[...], cfg.rms_norm_eps)
-    k = rms_norm(attn.k_proj(x).reshape(1, 3, cfg.num_kv_heads, cfg.head_dim), attn.k_norm.weight[...], cfg.rms_norm_eps)
+    q, k, v = split_qkv(attn.qkv_proj(x), cfg.num_heads, cfg.num_kv_heads)
+    q = rms_norm(q.reshape(1, 3, cfg.num_heads, cfg.head_dim), attn.q_norm.weight[...], cfg.rms_norm_eps)
+    k = rms_norm(k.reshape(1, 3, cfg.num_kv_heads, cfg.head_dim), attn.k_norm.weight[...], cfg.rms_norm_eps)
     cos, sin = rope_cos_sin(positions, inv_frequencies(cfg.head_dim, cfg.rope_theta))
     np.testing.assert_allclose(np.asarray(seen[0][0]), np.asarray(apply_rope(q, cos, sin)), atol=1e-6)
     np.testing.assert_allclose(np.asarray(seen[0][1]), np.asarray(apply_rope(k, cos, sin)), atol=1e-6)
-    assert seen[0][2].shape == (1, 3, cfg.num_kv_heads, cfg.head_dim)
+    np.testing.assert_allclose(np.asarray(seen[0][2]), np.asarray(v.reshape(1, 3, cfg.num_kv_heads, cfg.head_dim)),
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("tied", [True, False])

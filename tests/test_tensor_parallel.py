@@ -25,7 +25,7 @@ from zipage_jax.crosscheck.tp import first_difference
 from zipage_jax.engine.sharding import check_divisible, shard_ready, tensor_parallel
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.loading import load_model
-from zipage_jax.models.weights import flat_params
+from zipage_jax.models.weights import flat_params, split_qkv
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -92,10 +92,8 @@ def test_tp2_weights_split_megatron_style_and_pool_split_on_heads(tp2):
     s = tp2["shardings"]
     E, D = 96, 16
     expected = {  # name: (spec, per-device shard shape)
-        "layers.0.self_attn.q_proj.kernel": ([None, "tp"], [E, 3 * D]),
-        "layers.0.self_attn.q_proj.bias": (["tp"], [3 * D]),
-        "layers.0.self_attn.k_proj.kernel": ([None, "tp"], [E, D]),
-        "layers.0.self_attn.v_proj.kernel": ([None, "tp"], [E, D]),
+        "layers.0.self_attn.qkv_proj.kernel": ([None, "tp"], [E, (3 + 2) * D]),  # 3 query heads, 1 k, 1 v
+        "layers.0.self_attn.qkv_proj.bias": (["tp"], [(3 + 2) * D]),
         "layers.0.self_attn.o_proj.kernel": (["tp", None], [3 * D, E]),
         "layers.0.mlp.gate_proj.kernel": ([None, "tp"], [E, 64]),
         "layers.0.mlp.up_proj.kernel": ([None, "tp"], [E, 64]),
@@ -159,10 +157,14 @@ def test_kv_heads_repeated_next_to_their_query_heads(tiny_model_factory, cache_d
     repeated = shard_ready(loaded, 4)
     assert (loaded.config.num_kv_heads, repeated.config.num_kv_heads) == (2, 4)
     before, after = flat_params(loaded.model), flat_params(repeated.model)
-    for name in ("layers.0.self_attn.k_proj.kernel", "layers.1.self_attn.v_proj.kernel"):
-        heads = np.asarray(before[name]).reshape(64, 2, 16)
-        np.testing.assert_array_equal(np.asarray(after[name]).reshape(64, 4, 16), heads[:, [0, 0, 1, 1]])
-    np.testing.assert_array_equal(after["layers.0.self_attn.q_proj.kernel"], before["layers.0.self_attn.q_proj.kernel"])
+    for layer in range(loaded.config.num_layers):
+        name = f"layers.{layer}.self_attn.qkv_proj.kernel"
+        q, k, v = split_qkv(before[name], 4, 2)
+        q_after, k_after, v_after = split_qkv(after[name], 4, 4)
+        for a, a_after in ((k, k_after), (v, v_after)):
+            heads = np.asarray(a).reshape(64, 2, 16)
+            np.testing.assert_array_equal(np.asarray(a_after).reshape(64, 4, 16), heads[:, [0, 0, 1, 1]])
+        np.testing.assert_array_equal(q_after, q)
 
 
 def test_first_difference():
@@ -193,7 +195,7 @@ def test_tp4_with_repeated_kv_heads_equals_tp1(tiny_model_factory, cache_dir):
     assert report["compressions_tp4"] > 0 and report["compiles_in_steady_state"] == 0
     assert report["num_kv_heads"] == 4
     assert report["shardings"]["kv.k[0]"]["shard_shape"] == [64, 16, 1, 16]
-    assert report["shardings"]["layers.0.self_attn.k_proj.kernel"]["shard_shape"] == [64, 16]
+    assert report["shardings"]["layers.0.self_attn.qkv_proj.kernel"]["shard_shape"] == [64, (1 + 2) * 16]
     # Compression gathers only the query group of the sequences it compresses ([B, QL, Hq, D]).
     gathers = report["collectives"]["_compress"]
     assert list(gathers) == ["all-gather"] and len(gathers["all-gather"]) == report["num_layers"]

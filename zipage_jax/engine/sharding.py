@@ -1,7 +1,8 @@
 """Tensor parallelism over a one-axis `tp` device mesh, and multi-process start-up.
 
 Megatron-style layout, expressed as NamedShardings so XLA's SPMD partitioner does the rest:
-  q/k/v_proj, gate/up_proj   kernel [E, out] split on out (whole heads), bias on out
+  qkv_proj, gate/up_proj     kernel [E, out] split on out, bias on out (qkv_proj's columns are
+                             grouped per kv head: a shard holds whole kv heads and their query heads)
   o_proj, down_proj          kernel [in, E] split on in; their outputs are the only all-reduces
   embeddings, norms, biases of o/down                   replicated
   KV pool k, v [NB, BS, Hkv, D], score cache [NB, BS, Hkv]  split on Hkv
@@ -34,10 +35,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from zipage_jax.engine.kv_state import KVState
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.loading import LoadedModel
-from zipage_jax.models.weights import decoder_from_flat, flat_params
+from zipage_jax.models.weights import decoder_from_flat, flat_params, fuse_qkv, split_qkv
 
 TP = "tp"
-_COLUMN_PARALLEL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+_COLUMN_PARALLEL = {"qkv_proj", "gate_proj", "up_proj"}
 _ROW_PARALLEL = {"o_proj", "down_proj"}
 _HEADS = P(None, None, TP, None)  # k, v pools and the query cache: [N0, N1, heads, D]
 _SCORE_HEADS = P(None, None, TP)  # score cache [NB, BS, Hkv]
@@ -173,9 +174,11 @@ def shard_ready(loaded: LoadedModel, size: int) -> LoadedModel:
                 loaded.config.num_kv_heads, repeats)
     flat = {}
     for key, value in flat_params(loaded.model).items():
-        if key.endswith(("k_proj.kernel", "v_proj.kernel", "k_proj.bias", "v_proj.bias")):
-            heads = value.reshape(value.shape[:-1] + (loaded.config.num_kv_heads, cfg.head_dim))
-            value = heads.repeat(repeats, axis=-2).reshape(value.shape[:-1] + (-1,))
+        if key.endswith(("qkv_proj.kernel", "qkv_proj.bias")):
+            q, k, v = split_qkv(value, cfg.num_heads, loaded.config.num_kv_heads)
+            lead = value.shape[:-1]
+            k, v = (a.reshape(*lead, -1, cfg.head_dim).repeat(repeats, axis=-2).reshape(*lead, -1) for a in (k, v))
+            value = fuse_qkv(q, k, v, cfg.num_kv_heads)  # q head i now joins copy i // (G/r) of its kv head
         flat[key] = value
     return dataclasses.replace(loaded, config=cfg, model=decoder_from_flat(cfg, loaded.model.dtype, flat))
 

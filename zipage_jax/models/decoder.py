@@ -1,7 +1,11 @@
 """One Flax NNX decoder for Llama, Qwen2 and Qwen3 (GQA, tied or untied embeddings).
 
-Module and parameter names mirror transformers' (`layers[i].self_attn.q_proj`, ...) so the
-checkpoint mapping in weights.py is mechanical; a Linear stores `kernel: [in, out]`.
+Module and parameter names mirror transformers' (`layers[i].self_attn.o_proj`, ...) so the
+checkpoint mapping in weights.py is mechanical; a Linear stores `kernel: [in, out]`. One is
+fused: `self_attn.qkv_proj` holds q/k/v_proj (one matmul instead of three: ~6% faster batch-1
+decode on CPU), its columns grouped per kv head: its G query heads, its k head, its v head, so a
+column shard over whole kv heads holds their query heads too (tensor parallel); weights.fuse_qkv
+builds it. (Fusing gate/up_proj as well made batch-64 decode ~5% slower on CPU.)
 
 Attention is delegated: each layer calls
     out, cache = attn_fn(layer_idx, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D], cache)
@@ -67,9 +71,8 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         E, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, D
-        self.q_proj = Linear(E, cfg.num_heads * D, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(E, cfg.num_kv_heads * D, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(E, cfg.num_kv_heads * D, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.qkv_proj = Linear(E, (cfg.num_heads + 2 * cfg.num_kv_heads) * D, bias=cfg.qkv_bias, dtype=dtype,
+                               rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * D, E, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
@@ -78,9 +81,10 @@ class Attention(nnx.Module):
         self, layer_idx: int, x: jax.Array, cos: jax.Array, sin: jax.Array, attn_fn: AttnFn, cache: Any
     ) -> tuple[jax.Array, Any]:
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(B, T, self.num_kv_heads, self.head_dim)
+        G = self.num_heads // self.num_kv_heads
+        qkv = self.qkv_proj(x).reshape(B, T, self.num_kv_heads, G + 2, self.head_dim)  # qkv: [B, T, Hkv, G + 2, D]
+        q = qkv[:, :, :, :G].reshape(B, T, self.num_heads, self.head_dim)
+        k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]  # [B, T, Hkv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

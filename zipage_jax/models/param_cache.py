@@ -16,7 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 import xxhash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3  # bump when the parameter layout changes (3: q/k/v_proj fused into qkv_proj)
 
 
 def default_cache_dir() -> Path:

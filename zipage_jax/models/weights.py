@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Mapping
 
 import jax
@@ -15,7 +16,7 @@ from zipage_jax.models.decoder import Decoder
 
 
 def param_key(path: tuple) -> str:
-    """("layers", 3, "self_attn", "q_proj", "kernel") -> "layers.3.self_attn.q_proj.kernel"."""
+    """("layers", 3, "self_attn", "qkv_proj", "kernel") -> "layers.3.self_attn.qkv_proj.kernel"."""
     return ".".join(str(p) for p in path)
 
 
@@ -58,6 +59,22 @@ def flat_params(model: Decoder) -> dict[str, jax.Array]:
     return {param_key(path): var[...] for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
+def fuse_qkv(q: jax.Array, k: jax.Array, v: jax.Array, num_kv_heads: int) -> jax.Array:
+    """q [..., Hq * D], k, v [..., Hkv * D] (kernels or biases) -> qkv_proj's [..., Hkv * (G + 2) * D]:
+    per kv head, its G query heads, then its k head, then its v head."""
+    lead = q.shape[:-1]
+    groups = [jnp.reshape(a, (*lead, num_kv_heads, -1)) for a in (q, k, v)]  # [..., Hkv, G * D | D | D]
+    return jnp.concatenate(groups, axis=-1).reshape(*lead, -1)
+
+
+def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The inverse of fuse_qkv: qkv [..., Hkv * (G + 2) * D] -> q [..., Hq * D], k, v [..., Hkv * D]."""
+    lead, G = qkv.shape[:-1], num_heads // num_kv_heads
+    groups = qkv.reshape(*lead, num_kv_heads, G + 2, -1)  # [..., Hkv, G + 2, D]
+    q, k, v = groups[..., :G, :], groups[..., G, :], groups[..., G + 1, :]
+    return q.reshape(*lead, -1), k.reshape(*lead, -1), v.reshape(*lead, -1)
+
+
 def decoder_from_hf(cfg: ModelConfig, dtype: jnp.dtype, tensors: Mapping[str, np.ndarray]) -> Decoder:
     """tensors: transformers names ("model.layers.0.self_attn.q_proj.weight", ...) -> arrays."""
     flat = {}
@@ -68,4 +85,12 @@ def decoder_from_hf(cfg: ModelConfig, dtype: jnp.dtype, tensors: Mapping[str, np
         if key.endswith("_proj.weight"):  # torch Linear [out, in] -> our kernel [in, out]
             key, value = key.removesuffix("weight") + "kernel", value.T
         flat[key] = value
+    for i, leaf in itertools.product(range(cfg.num_layers), ("kernel", "bias")):
+        parts = [f"layers.{i}.self_attn.{p}_proj.{leaf}" for p in "qkv"]
+        missing = [p for p in parts if p not in flat]
+        if len(missing) == len(parts):  # no biases (no kernels: decoder_from_flat says so)
+            continue
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {', '.join(missing)}")
+        flat[f"layers.{i}.self_attn.qkv_proj.{leaf}"] = fuse_qkv(*(flat.pop(p) for p in parts), cfg.num_kv_heads)
     return decoder_from_flat(cfg, dtype, flat)
