@@ -95,14 +95,14 @@ def _moves(keep, block_tables, target_tables):
     return src, count, dst
 
 
-def _check(k_pool, v_pool, score_cache, keep, block_tables, target_tables) -> None:
-    if k_pool.ndim != 4 or v_pool.shape != k_pool.shape:
-        raise ValueError(f"expected k_pool and v_pool [NB, BS, Hkv, D], "
-                         f"got {k_pool.shape} and {v_pool.shape}")
-    num_kv_blocks, block_size, num_kv_heads, _ = k_pool.shape
-    expected = (num_kv_blocks, block_size, num_kv_heads)
-    if score_cache is not None and score_cache.shape != expected:
-        raise ValueError(f"expected score_cache {expected}, got {score_cache.shape}")
+def _check(pools, keep, block_tables, target_tables) -> None:
+    if not pools or pools[0].ndim < 3:
+        raise ValueError("expected at least one pool [NB, BS, Hkv, ...]")
+    expected = pools[0].shape[:3]
+    for p in pools:
+        if p.shape[:3] != expected:
+            raise ValueError(f"every pool must be [NB, BS, Hkv, ...] = {expected}, got {p.shape}")
+    num_kv_blocks, block_size, num_kv_heads = expected
     batch = block_tables.shape[0]
     expected = (batch, num_kv_heads, block_tables.shape[1], block_size)
     if keep.shape != expected or keep.dtype != jnp.bool_:
@@ -114,54 +114,22 @@ def _check(k_pool, v_pool, score_cache, keep, block_tables, target_tables) -> No
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def compact(
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    score_cache: jax.Array | None,
-    keep: jax.Array,
-    block_tables: jax.Array,
-    target_tables: jax.Array,
-    *,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Packs the kept tokens into the target blocks, in place (Pallas, Triton).
-
-    The pools are aliased to the outputs: donate them at the caller's jit boundary for a
-    true in-place update (see the module docstring for when that is safe).
-
-    Args:
-      k_pool, v_pool: [NB, BS, Hkv, D] one layer's pools.
-      score_cache: [NB, BS, Hkv] float32 or None.
-      keep: [B, Hkv, W, BS] bool, the tokens to keep; at most M*BS per (seq, head), more are
-        dropped. A row keeping nothing (a padding row) writes nothing.
-      block_tables: [B, W] int32 physical block of each logical block.
-      target_tables: [B, M] int32 destination blocks, filled in order.
-
-    Returns:
-      (k_pool, v_pool, score_cache) after compaction.
-    """
-    _check(k_pool, v_pool, score_cache, keep, block_tables, target_tables)
+def compact(pools, keep, block_tables, target_tables, *, interpret: bool = False):
+    """Packs the kept tokens into the target blocks, in place (Pallas, Triton); pools: per-token
+    arrays [NB, BS, Hkv, ...] moved together."""
+    _check(pools, keep, block_tables, target_tables)
     src, count, _ = _moves(keep, block_tables, target_tables)
     batch, num_kv_heads = count.shape
-    src = src.reshape(batch, num_kv_heads, target_tables.shape[1], k_pool.shape[1])
-    pools = [k_pool, v_pool] + ([] if score_cache is None else [score_cache])
-    out = _compact_call(src, count, target_tables, pools, interpret=interpret)
-    return out[0], out[1], (out[2] if score_cache is not None else None)
+    src = src.reshape(batch, num_kv_heads, target_tables.shape[1], pools[0].shape[1])
+    return _compact_call(src, count, target_tables, list(pools), interpret=interpret)
 
 
 @jax.jit
-def compact_reference(
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    score_cache: jax.Array | None,
-    keep: jax.Array,
-    block_tables: jax.Array,
-    target_tables: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+def compact_reference(pools, keep, block_tables, target_tables):
     """The same compaction as one gather and one scatter per pool (the XLA backend)."""
-    _check(k_pool, v_pool, score_cache, keep, block_tables, target_tables)
+    _check(pools, keep, block_tables, target_tables)
     src, _, dst = _moves(keep, block_tables, target_tables)
-    num_slots = k_pool.shape[0] * k_pool.shape[1]
+    num_slots = pools[0].shape[0] * pools[0].shape[1]
     dst = jnp.where(src >= 0, dst[:, None], num_slots)  # out of range: dropped
     src = jnp.maximum(src, 0)
     heads = jnp.arange(keep.shape[1])[None, :, None]
@@ -170,4 +138,4 @@ def compact_reference(
         flat = pool.reshape((num_slots,) + pool.shape[2:])
         return flat.at[dst, heads].set(flat[src, heads], mode="drop").reshape(pool.shape)
 
-    return move(k_pool), move(v_pool), (None if score_cache is None else move(score_cache))
+    return [move(p) for p in pools]

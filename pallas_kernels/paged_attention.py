@@ -19,7 +19,7 @@ block_k-token pages by a free reshape of the pool, so every gathered tile is
 [block_k, D] and every tile size is a power of two.
 
 `paged_decode_attention_reference` is the plain-XLA path the engine uses where Pallas is not
-available (CPU); it is `paged_prefill_attention` with one query token.
+available (CPU); it is `xla_attention.paged_attention` with one query token.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.prefill_attention import check_paged_inputs, paged_prefill_attention
+from pallas_kernels.xla_attention import Pools, check_paged_inputs, paged_attention
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _TARGET_PROGRAMS = 132  # H200 SM count: split the pages until the grid fills the GPU once
@@ -216,8 +216,8 @@ def paged_decode_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: ja
     if q.ndim != 3 or context_lens.ndim != 1:
         raise ValueError(f"q must be [B, Hq, D] and context_lens [B], "
                          f"got {q.shape} and {context_lens.shape}")
-    return paged_prefill_attention(q[:, None], k_pool, v_pool, block_tables,
-                                   context_lens[:, None], scale=scale)[:, 0]
+    out, _ = paged_attention(q[:, None], Pools(k_pool, v_pool), block_tables, context_lens[:, None], scale=scale)
+    return out[:, 0]
 
 
 paged_decode_attention_xla = paged_decode_attention_reference  # the engine's CPU path

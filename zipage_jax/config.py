@@ -6,38 +6,30 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from zipage_jax.compress.policies import DEFAULT_POLICY, POLICIES, PolicyOptions, get_policy
+
 Redundancy = Literal["none", "lightning", "raw"]
-EvictionPolicy = Literal["zipage", "streaming", "window", "vnorm-window"]
-EVICTION_POLICIES = ("zipage", "streaming", "window", "vnorm-window")  # see zipage_jax/compress/policies.py
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """How a full sequence picks the tokens it keeps (ALGORITHM.md section 3).
+    """The engine-wide scoring options (docs/ALGORITHM.md section 3), a static argument of the
+    jitted compression step. Built only by `EngineConfig.compression()`, so the defaults live in
+    one place; a sequence's budget and policy are per-row values, not part of it."""
 
-    Frozen and hashable: it is a static argument of the jitted compression step.
-    """
-
-    budget_blocks: int  # M: blocks kept after compression (the sequence holds at most M + 1)
     block_size: int
-    query_cache_len: int = 16
-    use_global_score: bool = False
-    decay_factor: float = 0.8
-    max_norm: bool = False
-    enable_pooling: bool = False
-    continues_pooling: bool = False
-    pooling_size: int = 5
-    redundancy: Redundancy = "none"
-    redundancy_lambda: float = 0.2
-    redundancy_temperature: float = 0.4
-    redundancy_threshold: float = 0.5
-    sink_len: int = 0
-    eviction_policy: EvictionPolicy = "zipage"
-    recent_fraction: float = 0.75  # share of the budget protected as a recent window ("window" policies)
-
-    @property
-    def budget_tokens(self) -> int:
-        return self.budget_blocks * self.block_size
+    query_cache_len: int
+    use_global_score: bool
+    decay_factor: float
+    max_norm: bool
+    enable_pooling: bool
+    continues_pooling: bool
+    pooling_size: int
+    redundancy: Redundancy
+    redundancy_lambda: float
+    redundancy_temperature: float
+    redundancy_threshold: float
 
 
 @dataclass
@@ -67,13 +59,18 @@ class EngineConfig:
     redundancy: Redundancy = "none"
     redundancy_lambda: float = 0.2
     redundancy_temperature: float = 0.4
-    sink_len: int = 0
-    eviction_policy: EvictionPolicy = "vnorm-window"  # best measured (docs/RESULTS.md); "zipage" = reference
-    recent_fraction: float = 0.75  # "window" policies: share of the budget kept as the most recent tokens
+    redundancy_threshold: float = 0.5
+    eviction_policy: str = DEFAULT_POLICY  # compress/policies.py; SamplingParams.eviction_policy overrides it
+    sink_len: int | None = None  # protected first tokens; None: each policy's own (zipage 0, others 4)
+    recent_fraction: float | None = None  # share of the budget kept as the most recent tokens; None: each policy's
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "fp8" (e4m3): per-token scales
     enable_async_compress: bool = True
     enable_hybrid_engine: bool = True
     max_compress_seqs: int = 8  # sequences compacted in one step
     tensor_parallel_size: int = 1
+    async_scheduling: bool = True  # schedule and dispatch step N+1 before step N's tokens reach the host
+    prefill_row_size: int = 32  # tokens per row of a prefill batch (a chunk spans several rows)
+    warmup: bool = False  # compile every step shape the configuration can reach at start-up
 
     def __post_init__(self) -> None:
         bs = self.kvcache_block_size
@@ -105,13 +102,19 @@ class EngineConfig:
             raise ValueError(f"redundancy_temperature must be > 0, got {self.redundancy_temperature}")
         if not 0.0 < self.decay_factor <= 1.0:
             raise ValueError(f"decay_factor must be in (0, 1], got {self.decay_factor}")
-        if self.sink_len < 0:
-            raise ValueError(f"sink_len must be >= 0, got {self.sink_len}")
-        if self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
-                             f"got {self.eviction_policy!r}")
-        if not 0.0 <= self.recent_fraction < 1.0:
+        if not 0.0 <= self.redundancy_threshold <= 1.0:
+            raise ValueError(f"redundancy_threshold must be in [0, 1], got {self.redundancy_threshold}")
+        get_policy(self.eviction_policy)
+        if self.sink_len is not None and (not isinstance(self.sink_len, int) or self.sink_len < 0):
+            raise ValueError(f"sink_len must be an integer >= 0, got {self.sink_len!r}")
+        if self.recent_fraction is not None and not 0.0 <= self.recent_fraction < 1.0:
             raise ValueError(f"recent_fraction must be in [0, 1), got {self.recent_fraction}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        rows = self.prefill_row_size
+        if rows < 1 or rows & (rows - 1) or rows > self.max_num_batched_tokens:
+            raise ValueError(f"prefill_row_size must be a power of two in [1, max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}], got {rows}")
         _positive("max_compress_seqs", self.max_compress_seqs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
 
@@ -123,11 +126,15 @@ class EngineConfig:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**options)
 
-    def compression(self, budget_blocks: int) -> CompressionConfig:
-        """The frozen scoring options for one budget: every CompressionConfig field that is
-        also an engine option is copied from here."""
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(CompressionConfig) if hasattr(self, f.name)}
-        return CompressionConfig(budget_blocks=budget_blocks, block_size=self.kvcache_block_size, **shared)
+    def compression(self) -> CompressionConfig:
+        """The engine-wide scoring options: every CompressionConfig field but the block size
+        is the engine option of the same name."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(CompressionConfig) if f.name != "block_size"}
+        return CompressionConfig(block_size=self.kvcache_block_size, **shared)
+
+    def policy_options(self, policy: str) -> PolicyOptions:
+        """A policy's options with this engine's sink_len / recent_fraction overrides."""
+        return POLICIES[policy].options(self.sink_len, self.recent_fraction)
 
 
 def _positive(name: str, value: int) -> None:

@@ -6,10 +6,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zipage_jax.config import EVICTION_POLICIES
+from zipage_jax.compress.policies import get_policy
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request (the sampler's suppress rows have a fixed width)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_budget: int | None = None  # KV tokens kept (rounded up to blocks): None = engine default, 0 = full KV
-    eviction_policy: str | None = None  # this request's eviction rule (EVICTION_POLICIES); None = the engine's
+    eviction_policy: str | None = None  # this request's eviction rule (compress/policies.py); None = the engine's
     # Teacher forcing: the first output tokens are these instead of sampled ones, decoded one per step
     # (so compression runs as in generation); their log-probabilities are reported as for sampled tokens.
     forced_token_ids: Sequence[int] | None = None  # normalised to a tuple
@@ -68,9 +69,8 @@ class SamplingParams:
             _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.kv_budget is not None:
             _integer("kv_budget", self.kv_budget, low=0)
-        if self.eviction_policy is not None and self.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, "
-                             f"got {self.eviction_policy!r}")
+        if self.eviction_policy is not None:
+            get_policy(self.eviction_policy)
         object.__setattr__(self, "forced_token_ids", _token_ids("forced_token_ids", self.forced_token_ids))
         if len(self.forced_token_ids) > self.max_tokens:
             raise ValueError(f"forced_token_ids holds {len(self.forced_token_ids)} tokens, more than "

@@ -1,67 +1,104 @@
-"""Eviction policies beyond the reference (issue 8), named by `eviction_policy`.
+"""The eviction policies: which tokens a full sequence keeps (docs/ALGORITHM.md section 4).
 
-The reference policy ("zipage", ALGORITHM.md section 3) never comes through this module. Each
-policy here keeps the reference's scoring pipeline (attention of the cached queries, then the
-global score, pooling and redundancy when the config enables them) and changes one or two rules.
-Memory stays constant (top-k of exactly `budget_tokens` per (seq, kv head)) and compaction is
-the reference's, in place.
+A policy is one `Policy`: its name, how it scores tokens, and its default options (how many
+attention sinks and what share of the budget it protects as the most recent tokens). Everything
+that names or validates a policy reads `POLICIES`: the engine config, SamplingParams, the
+scoring, the runner, the server and the evaluation script.
 
-- "window": StreamingLLM's attention sinks (the first `sink_len` tokens, 4 when 0) and a
-  protected recent window of `recent_fraction * budget_tokens` tokens (at least the query
-  tail) on top of the attention score; the rest of the budget goes to the best-scored tokens.
-  Sources: StreamingLLM (Xiao et al., ICLR 2024) for the sinks; H2O (Zhang et al., NeurIPS
-  2023) splits its budget between heavy hitters and recent tokens, SnapKV (Li et al., 2024)
-  always keeps its observation window. Our reasoning: the next tokens depend most on the
-  local context, and 16 cached queries estimate long-range importance noisily, so giving a
-  fixed share of the budget to the recent past replaces the noisiest choices with safe ones.
-  The default share, 0.75, was the best of 0.25 / 0.5 / 0.75 on teacher-forced perplexity, with
-  and without the global score (docs/RESULTS.md, "Quality").
+Every policy keeps exactly `budget` tokens per (sequence, layer, kv head): the `sinks` first
+tokens and the `recent` last ones are protected (+inf), the rest of the budget goes to the best
+scored tokens. With `recent_fraction = 0` the recent window is the query tail (the last
+`query_cache_len` positions), which is the reference's rule.
+
+- "zipage": the reference (Zipage, arXiv 2603.08743), golden-checked: the attention of the
+  cached queries, then the engine's global score, pooling and redundancy stages; sinks only
+  when `sink_len` asks for them.
+- "streaming": StreamingLLM (Xiao et al., ICLR 2024): 4 sinks and the most recent tokens; the
+  score is the position.
+- "window": the reference's score plus 4 sinks and 75% of the budget as a protected recent
+  window. H2O (Zhang et al., NeurIPS 2023) splits its budget between heavy hitters and recent
+  tokens, SnapKV (Li et al., 2024) keeps its observation window; 16 cached queries estimate
+  long-range importance noisily, so a fixed share of the budget goes to the recent past, which
+  the next tokens depend on most. 0.75 was the best of 0.25 / 0.5 / 0.75 (docs/RESULTS.md).
 - "vnorm-window": "window" with each token's attention score multiplied by the L2 norm of its
-  value (VATP: Guo et al., "Attention Score is not All You Need for Token Importance Indicator
-  in KV Cache Reduction: Value Also Matters", EMNLP 2024): a token adds attention * value to the
-  output, so a heavily attended token with a small value (sinks, punctuation) matters less.
-  The engine's default, with the global score on: the best measured on text and reasoning at
-  1/8, 1/4 and 1/2 of the context, and at 2,048 tokens (docs/RESULTS.md, "Quality").
+  value (VATP: Guo et al., EMNLP 2024): a token adds attention * value to the output, so a
+  heavily attended token with a small value (sinks, punctuation) matters less. The default.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
 
-from zipage_jax.config import CompressionConfig
-
-POLICIES = ("window", "vnorm-window")
-DEFAULT_SINKS = 4  # StreamingLLM's sink count, used when sink_len is 0
+import numpy as np
 
 
-def uses_value_norm(cfg: CompressionConfig) -> bool:
-    return cfg.eviction_policy == "vnorm-window"
+class Score(enum.IntEnum):
+    """How a policy scores tokens before protection and top-k (a per-row value on the device)."""
+
+    ATTENTION = 0  # attention of the cached queries, then the engine's global / pooling / redundancy stages
+    VALUE_NORM = 1  # the same with the attention multiplied by each value's L2 norm first
+    POSITION = 2  # later tokens score higher (no attention computed for the row)
 
 
-def value_norm(v_pool: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """L2 norm of every value in each sequence's table: [B, Hkv, W, BS] float32."""
-    values = v_pool[block_tables].astype(jnp.float32)  # [B, W, BS, Hkv, D]
-    return jnp.sqrt((values * values).sum(axis=-1)).transpose(0, 3, 1, 2)
+@dataclass(frozen=True)
+class PolicyOptions:
+    sinks: int = 0  # first tokens always kept (attention sinks)
+    recent_fraction: float = 0.0  # share of the budget kept as the most recent tokens (>= the query tail)
 
 
-def num_sinks(cfg: CompressionConfig) -> int:
-    return cfg.sink_len or DEFAULT_SINKS
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    score: Score
+    defaults: PolicyOptions
+
+    def options(self, sink_len: int | None = None, recent_fraction: float | None = None) -> PolicyOptions:
+        """The defaults with the engine's overrides (None keeps the policy's own)."""
+        return PolicyOptions(self.defaults.sinks if sink_len is None else sink_len,
+                             self.defaults.recent_fraction if recent_fraction is None else recent_fraction)
 
 
-def num_recent(cfg: CompressionConfig) -> int:
+POLICIES: dict[str, Policy] = {p.name: p for p in (
+    Policy("zipage", Score.ATTENTION, PolicyOptions(sinks=0, recent_fraction=0.0)),
+    Policy("streaming", Score.POSITION, PolicyOptions(sinks=4, recent_fraction=0.0)),
+    Policy("window", Score.ATTENTION, PolicyOptions(sinks=4, recent_fraction=0.75)),
+    Policy("vnorm-window", Score.VALUE_NORM, PolicyOptions(sinks=4, recent_fraction=0.75)),
+)}
+DEFAULT_POLICY = "vnorm-window"  # best measured (docs/RESULTS.md, "Quality"); "zipage" = reference
+
+
+def get_policy(name: object) -> Policy:
+    """The policy called `name`; ValueError naming the choices otherwise."""
+    if not isinstance(name, str) or name not in POLICIES:
+        raise ValueError(f"eviction_policy must be one of {', '.join(POLICIES)}, got {name!r}")
+    return POLICIES[name]
+
+
+def num_recent(options: PolicyOptions, budget_tokens: int, query_cache_len: int) -> int:
     """Protected most recent tokens: a share of the budget, never fewer than the query tail."""
-    return max(cfg.query_cache_len, int(cfg.recent_fraction * cfg.budget_tokens))
+    return max(query_cache_len, int(options.recent_fraction * budget_tokens))
 
 
-def protect_and_mask(scores: jax.Array, valid: jax.Array, num_blocks: jax.Array, cfg: CompressionConfig) -> jax.Array:
-    """Sinks and the recent window +inf, padding -inf.
+class CompressRows(NamedTuple):
+    """Per sequence of a compression batch, what its policy and budget ask for ([B] arrays)."""
 
-    scores: [B, Hkv, W, BS]; valid: [B, 1, W, BS] bool; num_blocks: [B] (all valid blocks full).
-    """
-    width, block_size = scores.shape[-2:]
-    pos = jnp.arange(width * block_size).reshape(width, block_size)  # [W, BS]
-    length = (num_blocks * block_size)[:, None, None, None]  # [B, 1, 1, 1]
-    protected = (pos < num_sinks(cfg)) | (pos >= length - num_recent(cfg))
-    scores = jnp.where(protected, jnp.inf, scores)
-    return jnp.where(valid, scores, -jnp.inf)
+    budget: np.ndarray  # int32 tokens kept per (layer, kv head); 0 on padding rows
+    sinks: np.ndarray  # int32 first positions protected
+    recent: np.ndarray  # int32 last positions protected
+    score: np.ndarray  # int32 Score
+
+
+def compress_rows(policies: list[Policy], options: list[PolicyOptions], budgets: list[int],
+                  query_cache_len: int, batch_size: int | None = None) -> CompressRows:
+    """Host arrays for a compression batch, padded to `batch_size` rows (padding keeps nothing)."""
+    n = len(policies)
+    size = batch_size or n
+    rows = CompressRows(*(np.zeros(size, np.int32) for _ in range(4)))
+    for i, (policy, opts, budget) in enumerate(zip(policies, options, budgets)):
+        rows.budget[i] = budget
+        rows.sinks[i] = opts.sinks
+        rows.recent[i] = num_recent(opts, budget, query_cache_len)
+        rows.score[i] = policy.score
+    return rows

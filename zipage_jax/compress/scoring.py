@@ -1,8 +1,10 @@
-"""Which tokens a full sequence keeps: ALGORITHM.md section 3, per layer, batched over sequences.
+"""Which tokens a full sequence keeps: docs/ALGORITHM.md section 3, per layer, batched over sequences.
 
 Shapes: B sequences, W table entries, BS block size, T = W*BS, Hkv / Hq heads, D head dim.
 A sequence's valid blocks are the first `num_blocks[b]` entries of its table (all full at
 compression time, the last one newest); the rest is padding (any real block id, e.g. 0).
+Each row's policy and budget are values (`CompressRows`), not compile-time options: one
+compiled step compresses any mix of policies and budgets.
 """
 
 from __future__ import annotations
@@ -14,75 +16,73 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.attention_score import attention_score, attention_score_reference
-from zipage_jax.compress import policies
+from zipage_jax.compress.policies import CompressRows, Score
 from zipage_jax.config import CompressionConfig
 
 BACKENDS = ("xla", "pallas", "pallas-interpret")
-STREAMING_SINKS = 4  # StreamingLLM's sink count when sink_len is 0
 
 
 class ScoreStages(NamedTuple):
     """Every stage of one layer's scoring, each [B, Hkv, W, BS]; None when disabled."""
 
-    attn: jax.Array | None  # step 1 (padding 0)
+    attn: jax.Array  # step 1 (padding 0; 0 for rows scored by position)
     global_score: jax.Array | None  # max_norm + step 2
     pooled: jax.Array | None  # step 3
     redundancy: jax.Array | None  # step 4, softmaxed (and max-normed), before combining
     final: jax.Array  # input of top-k, with +inf / -inf
-    keep: jax.Array  # bool, budget_tokens per valid (seq, head), none on padding rows
+    keep: jax.Array  # bool, rows.budget per valid (seq, head), none on padding rows
 
 
 def score_layer(
     k_pool: jax.Array,
+    v_pool: jax.Array,
     queries: jax.Array,
     block_tables: jax.Array,
     num_blocks: jax.Array,
     compressed: jax.Array,
     score_cache: jax.Array | None,
+    rows: CompressRows,
     cfg: CompressionConfig,
     backend: str = "xla",
-    v_pool: jax.Array | None = None,
+    cache_tables: jax.Array | None = None,
 ) -> tuple[ScoreStages, jax.Array | None]:
     """Scores one layer's tokens and picks the kept ones.
 
     Args:
-      k_pool: [NB, BS, Hkv, D] keys (after RoPE), any float dtype; computed in float32.
+      k_pool, v_pool: [NB, BS, Hkv, D] keys (after RoPE) and values, any float dtype (float32 math).
       queries: [B, QL, Hq, D] each sequence's cached queries.
       block_tables: [B, W] int32, padded with a real block id (never -1).
       num_blocks: [B] int32 valid table entries; 0 marks a padding row.
       compressed: [B] bool, the sequence was compressed before.
       score_cache: [NB, BS, Hkv] float32 (required with use_global_score) or None.
-      v_pool: [NB, BS, Hkv, D] values, needed by the policies that weight by value norms.
+      rows: per-row budget (tokens kept), protected sinks and recent tokens, and Score.
+      cache_tables: [B, W] the score cache's blocks when the pools are a gathered copy with tables
+        of their own (quantized pools); default block_tables.
 
     Returns:
       (stages, score_cache): the score cache with the new global score written into every
       valid block of every sequence (compaction then moves it with the tokens).
     """
-    width = block_tables.shape[1]
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if cfg.budget_tokens > width * cfg.block_size:
-        raise ValueError(f"budget_tokens {cfg.budget_tokens} exceeds the table width {width} "
-                         f"* block_size {cfg.block_size}")
+    width = block_tables.shape[1]
     valid = _valid(num_blocks, width, cfg.block_size)
-    if cfg.eviction_policy == "streaming":
-        final = _streaming_scores(valid, k_pool.shape[2], cfg)
-        keep = top_k_keep(final, valid, cfg.budget_tokens)
-        return ScoreStages(None, None, None, None, final, keep), score_cache
+    by_position = rows.score == Score.POSITION  # [B]
 
-    if backend == "xla":
-        attn = attention_score_reference(k_pool, queries, block_tables, num_blocks)
-    else:
-        attn = attention_score(k_pool, queries, block_tables, num_blocks,
-                               interpret=backend == "pallas-interpret")
-    scores, global_, pooled, red = attn, None, None, None
-    if policies.uses_value_norm(cfg):
-        if v_pool is None:
-            raise ValueError(f"eviction_policy {cfg.eviction_policy!r} needs v_pool")
-        scores = scores * policies.value_norm(v_pool, block_tables)
+    def attention():
+        if backend == "xla":
+            return attention_score_reference(k_pool, queries, block_tables, num_blocks)
+        return attention_score(k_pool, queries, block_tables, num_blocks, interpret=backend == "pallas-interpret")
+
+    shape = (block_tables.shape[0], k_pool.shape[2], width, cfg.block_size)
+    attn = lax.cond(jnp.all(by_position), lambda: jnp.zeros(shape, jnp.float32), attention)
+    weighted = rows.score == Score.VALUE_NORM
+    scores = lax.cond(jnp.any(weighted), lambda: jnp.where(
+        weighted[:, None, None, None], attn * value_norm(v_pool, block_tables), attn), lambda: attn)
+    global_, pooled, red = None, None, None
     if cfg.use_global_score:
-        scores, score_cache = global_score(scores, score_cache, block_tables, num_blocks, compressed,
-                                           cfg)
+        scores, score_cache = global_score(scores, score_cache, block_tables if cache_tables is None else cache_tables,
+                                           num_blocks, compressed, cfg)
         global_ = scores
     if cfg.enable_pooling:
         scores = pooled = max_pool(scores, compressed, cfg)
@@ -91,12 +91,31 @@ def score_layer(
         if cfg.use_global_score and cfg.max_norm:
             red = _max_normed(red)
         scores = scores * cfg.redundancy_lambda - red * (1 - cfg.redundancy_lambda)
-    if cfg.eviction_policy in policies.POLICIES:
-        final = policies.protect_and_mask(scores, valid, num_blocks, cfg)
-    else:
-        final = _protect_and_mask(scores, valid, num_blocks, cfg)
-    keep = top_k_keep(final, valid, cfg.budget_tokens)
+    pos = jnp.arange(width * cfg.block_size, dtype=jnp.float32).reshape(width, cfg.block_size)
+    scores = jnp.where(by_position[:, None, None, None], pos, scores)  # later = higher
+    final = protect_and_mask(scores, valid, num_blocks, rows)
+    keep = top_k_keep(final, valid, rows.budget)
     return ScoreStages(attn, global_, pooled, red, final, keep), score_cache
+
+
+def value_norm(v_pool: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """L2 norm of every value in each sequence's table: [B, Hkv, W, BS] float32."""
+    values = v_pool[block_tables].astype(jnp.float32)  # [B, W, BS, Hkv, D]
+    return jnp.sqrt((values * values).sum(axis=-1)).transpose(0, 3, 1, 2)
+
+
+def protect_and_mask(scores: jax.Array, valid: jax.Array, num_blocks: jax.Array, rows: CompressRows) -> jax.Array:
+    """Steps 5-7 before top-k: each row's sinks and recent window +inf, padding -inf.
+
+    scores: [B, Hkv, W, BS]; valid: [B, 1, W, BS] bool; num_blocks: [B] (all valid blocks full).
+    """
+    width, block_size = scores.shape[-2:]
+    pos = jnp.arange(width * block_size).reshape(width, block_size)  # [W, BS]
+    length = num_blocks * block_size
+    as_row = lambda x: x[:, None, None, None]  # noqa: E731
+    protected = (pos < as_row(rows.sinks)) | (pos >= as_row(length - rows.recent))
+    scores = jnp.where(protected, jnp.inf, scores)
+    return jnp.where(valid, scores, -jnp.inf)
 
 
 def global_score(
@@ -195,36 +214,16 @@ def _raw_row_sums(keys, valid, threshold):
     return sums.reshape(batch, num_kv_heads, width, block_size)
 
 
-def _protect_and_mask(scores, valid, num_blocks, cfg: CompressionConfig):
-    """Steps 5-7 before top-k: sinks and the recent window +inf, padding -inf."""
-    width, block_size = scores.shape[-2:]
-    pos = jnp.arange(width * block_size).reshape(width, block_size)
-    protected = pos < cfg.sink_len
-    w = jnp.arange(width)[:, None]
-    newest = w == (num_blocks - 1)[:, None, None, None]
-    recent = newest & (pos % block_size >= block_size - cfg.query_cache_len)
-    scores = jnp.where(protected | recent, jnp.inf, scores)
-    return jnp.where(valid, scores, -jnp.inf)
+def top_k_keep(final: jax.Array, valid: jax.Array, k: jax.Array) -> jax.Array:
+    """Step 7: the k[b] best tokens of every (seq, head), never padding: [B, Hkv, W, BS] bool.
 
-
-def _streaming_scores(valid, num_kv_heads: int, cfg: CompressionConfig):
-    """StreamingLLM: the first sinks and the most recent tokens (later = higher score)."""
-    batch, _, width, block_size = valid.shape
-    pos = jnp.arange(width * block_size).reshape(width, block_size)
-    sinks = cfg.sink_len or STREAMING_SINKS
-    scores = jnp.where(valid, jnp.where(pos < sinks, jnp.inf, pos.astype(jnp.float32)), -jnp.inf)
-    return jnp.broadcast_to(scores, (batch, num_kv_heads, width, block_size))
-
-
-def top_k_keep(final: jax.Array, valid: jax.Array, k: int) -> jax.Array:
-    """Step 7: the k best tokens of every (seq, head), never padding: [B, Hkv, W, BS] bool."""
+    k is a per-row value: the kept set is the first k of a stable descending sort."""
     batch, num_kv_heads, width, block_size = final.shape
-    _, top = lax.top_k(final.reshape(batch, num_kv_heads, -1), k)
-    keep = jnp.zeros((batch, num_kv_heads, width * block_size), jnp.bool_)
+    order = jnp.argsort(-final.reshape(batch, num_kv_heads, -1), axis=-1, stable=True)  # [B, Hkv, T]
     b = jnp.arange(batch)[:, None, None]
     h = jnp.arange(num_kv_heads)[None, :, None]
-    keep = keep.at[b, h, top].set(True)
-    return keep.reshape(final.shape) & valid
+    rank = jnp.zeros_like(order).at[b, h, order].set(jnp.arange(order.shape[-1], dtype=order.dtype))
+    return (rank < k[:, None, None]).reshape(final.shape) & valid
 
 
 def _valid(num_blocks, width, block_size):  # [B, 1, W, BS]

@@ -1,131 +1,150 @@
 """One compression step over a batch of full sequences: score, select, compact, every layer.
 
-Padding convention (the batch is bucketed): a padding row has `num_blocks == 0`; its
-block table and target table may hold anything in range (the engine fills them with the
+Padding convention (the batch is bucketed): a padding row has `num_blocks == 0` and budget 0;
+its block table and target table may hold anything in range (the engine fills them with the
 dummy block 0) and its query id any valid slot. Such a row keeps nothing, so it writes
-nothing at all: no K/V/score-cache slot, not even in block 0.
+nothing at all: no K/V/score/scale slot, not even in block 0.
 
-Target tables: `target_tables[b, :M]` receive the kept tokens (M = cfg.budget_blocks; the
-last column, the block for the next token, is not touched). A target block is either the
-sequence's own block at the same index (in-place) or a block the sequence does not read
+Target tables: the first `budget / BS` entries of `target_tables[b]` receive the kept tokens
+(the rest, from the block for the next token on, is not touched). A target block is either
+the sequence's own block at the same index (in place) or a block the sequence does not read
 (e.g. a fresh block replacing a shared prefix block), never one of its later blocks.
+
+Quantized pools: the tokens being scored are gathered and dequantized (the scores use the
+dequantized keys), and the per-token scales move with their tokens.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_quant
 from pallas_kernels.compact import compact as compact_pallas
 from pallas_kernels.compact import compact_reference
+from zipage_jax.compress.policies import CompressRows
 from zipage_jax.compress.scoring import BACKENDS, ScoreStages, score_layer
 from zipage_jax.config import CompressionConfig
 
 
+class LayerPools(NamedTuple):
+    """One layer's per-token arrays, all [NB, BS, Hkv, ...]: compaction moves them together."""
+
+    k: jax.Array  # [NB, BS, Hkv, D]
+    v: jax.Array  # [NB, BS, Hkv, D]
+    scores: jax.Array | None = None  # [NB, BS, Hkv] f32 global score
+    k_scales: jax.Array | None = None  # [NB, BS, Hkv] f32 (quantized pools)
+    v_scales: jax.Array | None = None
+
+
 def compress_layer(
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    score_cache: jax.Array | None,
+    pools: LayerPools,
     query_cache: jax.Array,
     block_tables: jax.Array,
     num_blocks: jax.Array,
     query_ids: jax.Array,
     compressed: jax.Array,
     target_tables: jax.Array,
+    rows: CompressRows,
     cfg: CompressionConfig,
     backend: str = "xla",
-) -> tuple[jax.Array, jax.Array, jax.Array | None, ScoreStages]:
+) -> tuple[LayerPools, ScoreStages]:
     """Compresses one layer; arguments as `compress` with one layer's arrays.
 
-    Returns (k_pool, v_pool, score_cache, stages): the stages are for inspection only.
+    Returns (pools, stages): the stages are for inspection only.
     """
     queries = query_cache[query_ids]  # [B, QL, Hq, D]
-    stages, score_cache = score_layer(
-        k_pool, queries, block_tables, num_blocks, compressed, score_cache, cfg, backend, v_pool
-    )
-    targets = target_tables[:, : cfg.budget_blocks]
+    k_scored, v_scored, tables = _scored_tokens(pools, block_tables, queries.dtype)
+    stages, score_cache = score_layer(k_scored, v_scored, queries, tables, num_blocks, compressed, pools.scores,
+                                      rows, cfg, backend, cache_tables=block_tables)
+    pools = pools._replace(scores=score_cache)
+    present = [i for i, a in enumerate(pools) if a is not None]
+    args = ([pools[i] for i in present], stages.keep, block_tables, target_tables)
     if backend == "xla":
-        k_pool, v_pool, score_cache = compact_reference(
-            k_pool, v_pool, score_cache, stages.keep, block_tables, targets)
+        moved = compact_reference(*args)
     else:
-        k_pool, v_pool, score_cache = compact_pallas(
-            k_pool, v_pool, score_cache, stages.keep, block_tables, targets,
-            interpret=backend == "pallas-interpret")
-    return k_pool, v_pool, score_cache, stages
+        moved = compact_pallas(*args, interpret=backend == "pallas-interpret")
+    out = list(pools)
+    for i, a in zip(present, moved):
+        out[i] = a
+    return LayerPools(*out), stages
+
+
+def _scored_tokens(pools: LayerPools, block_tables: jax.Array, dtype):
+    """The keys and values scoring reads: the pools themselves, or (quantized) the sequences'
+    blocks gathered and dequantized, with tables into that gathered copy."""
+    if pools.k_scales is None:
+        return pools.k, pools.v, block_tables
+    batch, width = block_tables.shape
+
+    def local(pool, scales):  # [B * W, BS, Hkv, D]
+        x = kv_quant.dequantize(pool[block_tables], scales[block_tables], dtype)
+        return x.reshape((batch * width,) + x.shape[2:])
+
+    tables = jnp.arange(batch * width, dtype=jnp.int32).reshape(batch, width)
+    return local(pools.k, pools.k_scales), local(pools.v, pools.v_scales), tables
 
 
 def compress(
-    k_pools: list[jax.Array],
-    v_pools: list[jax.Array],
-    score_caches: list[jax.Array] | None,
+    layers: list[LayerPools],
     query_caches: list[jax.Array],
     block_tables: jax.Array,
     num_blocks: jax.Array,
     query_ids: jax.Array,
     compressed: jax.Array,
     target_tables: jax.Array,
+    rows: CompressRows,
     cfg: CompressionConfig,
     backend: str = "xla",
-) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array] | None]:
+) -> list[LayerPools]:
     """Compresses a batch of sequences in every layer (call under jax.jit, pools donated).
 
     Args:
-      k_pools, v_pools: per layer [NB, BS, Hkv, D].
-      score_caches: per layer [NB, BS, Hkv] float32, or None (required with use_global_score).
+      layers: per layer the pools (score cache required with use_global_score).
       query_caches: per layer [slots, QL, Hq, D].
       block_tables: [B, W] int32, each sequence's blocks (all full), padded with block 0.
       num_blocks: [B] int32 valid entries of each table; 0 marks a padding row.
       query_ids: [B] int32 query slot of each sequence.
       compressed: [B] bool, the sequence was compressed before.
-      target_tables: [B, M + 1] int32 where the kept tokens go (first M blocks are filled).
-      cfg: static compression options; backend: "xla", "pallas" or "pallas-interpret".
+      target_tables: [B, W] int32 where the kept tokens go (the first budget / BS blocks are filled).
+      rows: each row's budget (tokens), protected sinks and recent tokens, and score (policy).
+      cfg: static scoring options; backend: "xla", "pallas" or "pallas-interpret".
 
     Returns:
-      (k_pools, v_pools, score_caches) after compaction; see the module docstring for the
-      padding convention and which target blocks are allowed.
+      The layers' pools after compaction (see the module docstring).
     """
-    _check(k_pools, v_pools, score_caches, query_caches, block_tables, num_blocks, query_ids, compressed,
-           target_tables, cfg, backend)
-    out_k, out_v, out_s = [], [], []
-    for layer, (k_pool, v_pool, query_cache) in enumerate(zip(k_pools, v_pools, query_caches)):
-        score_cache = None if score_caches is None else score_caches[layer]
-        k_pool, v_pool, score_cache, _ = compress_layer(
-            k_pool, v_pool, score_cache, query_cache, block_tables, num_blocks, query_ids, compressed,
-            target_tables, cfg, backend,
-        )
-        out_k.append(k_pool)
-        out_v.append(v_pool)
-        out_s.append(score_cache)
-    return out_k, out_v, (None if score_caches is None else out_s)
+    _check(layers, query_caches, block_tables, num_blocks, query_ids, compressed, target_tables, rows, cfg,
+           backend)
+    return [compress_layer(pools, query_cache, block_tables, num_blocks, query_ids, compressed, target_tables,
+                           rows, cfg, backend)[0]
+            for pools, query_cache in zip(layers, query_caches)]
 
 
-def _check(k_pools, v_pools, score_caches, query_caches, block_tables, num_blocks, query_ids, compressed,
-           target_tables, cfg: CompressionConfig, backend: str) -> None:
+def _check(layers, query_caches, block_tables, num_blocks, query_ids, compressed, target_tables, rows,
+           cfg: CompressionConfig, backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    num_layers = len(k_pools)
-    if num_layers == 0:
+    if not layers:
         raise ValueError("need at least one layer")
-    if len(v_pools) != num_layers or len(query_caches) != num_layers:
-        raise ValueError(f"need one k pool, v pool and query cache per layer, got "
-                         f"{num_layers}, {len(v_pools)}, {len(query_caches)}")
-    if score_caches is not None and len(score_caches) != num_layers:
-        raise ValueError(f"need one score cache per layer, got {len(score_caches)} "
-                         f"for {num_layers} layers")
-    if cfg.use_global_score and cfg.eviction_policy != "streaming" and score_caches is None:
-        raise ValueError("use_global_score needs score_caches")
-    block_size = k_pools[0].shape[1]
+    if len(query_caches) != len(layers):
+        raise ValueError(f"need one query cache per layer, got {len(query_caches)} for {len(layers)} layers")
+    if cfg.use_global_score and layers[0].scores is None:
+        raise ValueError("use_global_score needs a score cache in every layer")
+    block_size = layers[0].k.shape[1]
     if block_size != cfg.block_size:
         raise ValueError(f"pool block size {block_size} != cfg.block_size {cfg.block_size}")
     if query_caches[0].shape[1] != cfg.query_cache_len:
         raise ValueError(f"query cache length {query_caches[0].shape[1]} "
                          f"!= cfg.query_cache_len {cfg.query_cache_len}")
     batch = block_tables.shape[0]
-    for name, x in (("num_blocks", num_blocks), ("query_ids", query_ids), ("compressed", compressed)):
+    for name, x in (("num_blocks", num_blocks), ("query_ids", query_ids), ("compressed", compressed),
+                    *((f"rows.{f}", getattr(rows, f)) for f in rows._fields)):
         if x.shape != (batch,):
             raise ValueError(f"{name} must have shape ({batch},), got {x.shape}")
     if compressed.dtype != jnp.bool_:
         raise ValueError(f"compressed must be bool, got {compressed.dtype}")
-    if target_tables.shape != (batch, cfg.budget_blocks + 1):
-        raise ValueError(f"target_tables must have shape ({batch}, {cfg.budget_blocks + 1}), "
+    if target_tables.shape != block_tables.shape:
+        raise ValueError(f"target_tables must have the block tables' shape {block_tables.shape}, "
                          f"got {target_tables.shape}")

@@ -135,11 +135,13 @@ class BlockManager:
         seq.num_hashed_blocks = 0
 
     def commit_full_blocks(self, seq: Sequence) -> None:
-        """Hash the blocks that became full of computed tokens (never after compression)."""
+        """Hash the blocks that became full of computed tokens whose values the host knows
+        (never after compression)."""
         if not self.enable_prefix_caching or seq.compressed:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        full = min(seq.num_computed_tokens, seq.num_known_tokens) // bs
+        full = min(full, len(seq.block_table))
         for i in range(seq.num_hashed_blocks, full):
             prefix = self.blocks[seq.block_table[i - 1]].hash if i else None
             tokens = tuple(seq.block_tokens(i))

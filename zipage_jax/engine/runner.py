@@ -1,34 +1,49 @@
-"""The one door to the device: jitted steps over the donated KV state, bucketed shapes.
+"""The one door to the device: the donated device state, the compiled steps, host <-> device.
 
-Per engine step: (1) compaction of the sequences that reached their budget, (2) prefill
-chunks, (3) decodes; each is one jitted call that donates the KV state, dispatched without
-waiting, so a compaction never blocks the host. Tokens come back once, at the end.
+Per engine step: (1) one compaction of the sequences that reached their budget, (2) one prefill
+step over the step's prefill rows, (3) one decode step. Each is one compiled call that donates
+the state and is dispatched without waiting; `dispatch` returns handles and `fetch` turns them
+into tokens, so the engine can schedule and dispatch step N+1 while the device runs step N.
+
+Programs are compiled ahead of time and keyed by shape buckets only (`buckets`): decode rows
+(up to max_num_seqs), prefill rows of `prefill_row_size` tokens (up to max_num_batched_tokens /
+prefill_row_size), compression batch x table width. Context lengths, budgets, policies and
+sampling options are values, so `warmup` can compile the whole grid and a steady workload never
+compiles again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zipage_jax.compress.step import compress
+from zipage_jax.compress.policies import POLICIES, compress_rows
+from zipage_jax.compress.step import LayerPools, compress
 from zipage_jax.config import CompressionConfig, EngineConfig
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, CompressionPlan
-from zipage_jax.engine.kv_state import KVState
+from zipage_jax.engine.sampling_batch import SamplingArrays, SamplingRow
 from zipage_jax.engine.scheduler import Chunk
+from zipage_jax.engine.sequence import Sequence, query_tail_start
 from zipage_jax.engine.sharding import TensorParallel, shard_model
-from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn, xla_page_size
-from zipage_jax.layers.sampler import SamplerFlags, SamplerOutput, SamplingBatch, SamplingRow, sample
+from zipage_jax.layers.kv_cache import KVState
+from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn, uses_block_tables, xla_page_size
+from zipage_jax.layers.sampler import SamplerOutput, SamplerState, SamplingBatch, record_inputs, sample
 from zipage_jax.models.decoder import DecoderFns, split
 from zipage_jax.models.loading import LoadedModel
+from zipage_jax.sampling_params import MAX_STOP_TOKEN_IDS
 
+logger = logging.getLogger("zipage_jax")
 
-_MIN_TABLE_TOKENS = 64  # 128 cost ~7% at batch 64 (more tokens gathered per row)
+_MIN_HISTORY = 64  # tokens of the smallest history-seeding bucket
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -37,32 +52,93 @@ def bucket(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
-@functools.partial(jax.jit, static_argnames=("fns", "params_def", "flags", "backend", "tp"),
-                   donate_argnames=("kv",))
-def _forward_and_sample(fns: DecoderFns, params_def, param_leaves: list[jax.Array], kv: KVState, inputs: StepInputs,
-                        sampling: SamplingBatch, *, flags: SamplerFlags, backend: str,
-                        tp: TensorParallel | None) -> tuple[KVState, SamplerOutput]:
+def buckets(limit: int, minimum: int = 1) -> list[int]:
+    """Every bucket a count in [1, limit] can fall in."""
+    out = [bucket(minimum)]
+    while out[-1] < limit:
+        out.append(out[-1] * 2)
+    return out
+
+
+class DeviceState(NamedTuple):
+    kv: KVState
+    sampler: SamplerState
+
+
+@functools.partial(jax.jit, static_argnames=("fns", "params_def", "backend", "tp"), donate_argnames=("state",))
+def _forward_and_sample(fns: DecoderFns, params_def, param_leaves: list[jax.Array], state: DeviceState,
+                        inputs: StepInputs, sampling: SamplingBatch, *, backend: str,
+                        tp: TensorParallel | None) -> tuple[DeviceState, SamplerOutput]:
     # params travel as a flat list: flattening the nnx.State on every call costs ~1 ms of host time
     params = jax.tree.unflatten(params_def, param_leaves)
-    hidden, kv = fns.forward(params, inputs.tokens, inputs.positions, paged_attention_fn(inputs, backend, tp), kv)
-    last = jnp.take_along_axis(hidden, inputs.last_index[:, None, None], axis=1)[:, 0]  # [B, E]
-    return (kv if tp is None else tp.constrain_kv(kv)), sample(fns.logits(params, last), sampling, flags)
+    last_sampled = state.sampler.last_token[sampling.slot][:, None]  # [R, 1]
+    tokens = jnp.where(inputs.tokens >= 0, inputs.tokens, last_sampled)  # [R, C]
+    sampler = record_inputs(state.sampler, tokens, inputs.positions, inputs.kv_lens > 0, sampling.slot,
+                            sampling.num_prompt, sampling.reset)
+    attn = paged_attention_fn(inputs, backend, None if tp is None else tp.per_shard_decode)
+    hidden, kv = fns.forward(params, tokens, inputs.positions, attn, state.kv)
+    last = jnp.take_along_axis(hidden, inputs.last_index[:, None, None], axis=1)[:, 0]  # [R, E]
+    out, sampler = sample(fns.logits(params, last), sampling, sampler)
+    return DeviceState(kv if tp is None else tp.constrain_kv(kv), sampler), out
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("kv",))
-def _compress(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, *,
-              cfg: CompressionConfig, backend: str, tp: TensorParallel | None) -> KVState:
-    def step(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables) -> KVState:
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("state",))
+def _compress(state: DeviceState, block_tables, num_blocks, query_ids, compressed, target_tables, rows, *,
+              cfg: CompressionConfig, backend: str, tp: TensorParallel | None) -> DeviceState:
+    def step(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows) -> KVState:
         queries = list(kv.queries)
         if tp is not None:
             queries, query_ids = tp.group_queries(queries, query_ids)
-        k, v, scores = compress(list(kv.k), list(kv.v), None if kv.scores is None else list(kv.scores), queries,
-                                block_tables, num_blocks, query_ids, compressed, target_tables, cfg, backend)
-        return kv._replace(k=tuple(k), v=tuple(v), scores=None if scores is None else tuple(scores))
+        layers = [LayerPools(*(None if field is None else field[i] for field in
+                               (kv.k, kv.v, kv.scores, kv.k_scales, kv.v_scales))) for i in range(len(kv.k))]
+        layers = compress(layers, queries, block_tables, num_blocks, query_ids, compressed, target_tables, rows,
+                          cfg, backend)
+        per_field = {name: None if getattr(kv, name) is None else tuple(getattr(p, field) for p in layers)
+                     for name, field in (("k", "k"), ("v", "v"), ("scores", "scores"), ("k_scales", "k_scales"),
+                                         ("v_scales", "v_scales"))}
+        return kv._replace(**per_field)
 
     if tp is not None:  # each shard compresses its own kv heads
-        step = tp.per_shard_kv(step, kv, num_replicated=5)
-    return step(kv, block_tables, num_blocks, query_ids, compressed, target_tables)
+        step = tp.per_shard_kv(step, state.kv, num_replicated=6)
+    kv = step(state.kv, block_tables, num_blocks, query_ids, compressed, target_tables, rows)
+    return state._replace(kv=kv)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _seed_history(state: DeviceState, slot, tokens, num_prompt) -> DeviceState:
+    """A sequence admitted with cached prefix tokens: clear its slot and count those tokens."""
+    # slot, num_prompt: [1]; tokens: [1, N] (-1 padding)
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    sampler = record_inputs(state.sampler, tokens, positions, tokens >= 0, slot, num_prompt,
+                            jnp.ones((1,), jnp.bool_))
+    return state._replace(sampler=sampler)
+
+
+class CompiledSteps:
+    """Ahead-of-time compiled executables of one jitted function, keyed by their shape bucket."""
+
+    def __init__(self, name: str, fn, **static):
+        self.name, self.fn, self.static = name, fn, static
+        self.executables: dict[tuple, object] = {}
+        self.compile_seconds: dict[tuple, float] = {}
+
+    def __call__(self, key: tuple, *args):
+        return self.get(key, *args)(*args)
+
+    def get(self, key: tuple, *args):
+        """The executable for `key`, compiled from `args` (arrays or ShapeDtypeStructs) on a miss."""
+        exe = self.executables.get(key)
+        if exe is None:
+            start = time.perf_counter()
+            exe = self.fn.lower(*args, **self.static).compile()
+            self.executables[key] = exe
+            self.compile_seconds[key] = seconds = time.perf_counter() - start
+            logger.info("compiled the %s step for %s in %.1f s", self.name, _describe(key), seconds)
+        return exe
+
+
+def _describe(key: tuple) -> str:
+    return ", ".join(f"{name} {value}" for name, value in zip(key[::2], key[1::2]))
 
 
 @dataclass
@@ -70,12 +146,30 @@ class StepResult:
     chunk: Chunk
     token_id: int
     logprob: float
-    top_ids: np.ndarray  # [N]
-    top_logprobs: np.ndarray  # [N]
+    top_ids: np.ndarray  # [MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # [MAX_LOGPROBS]
+
+
+@dataclass
+class PendingBatch:
+    """A dispatched forward step: the sampling chunks and the output row of each."""
+
+    chunks: list[Chunk]
+    rows: list[int]
+    outputs: SamplerOutput  # device arrays, still being computed
+
+
+@dataclass
+class RowFailure:
+    """A request whose step inputs could not be built: it fails alone, the step runs without it."""
+
+    chunk: Chunk
+    error: Exception
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, num_blocks: int, num_query_slots: int):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, num_blocks: int, num_query_slots: int,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.config = config
         loaded, self.tp = shard_model(loaded, config.tensor_parallel_size)
         self.model_config = mc = loaded.config
@@ -83,124 +177,240 @@ class ModelRunner:
         if self.tp is not None:
             params = self.tp.place_params(params)
         self.param_leaves, self.params_def = jax.tree.flatten(params)
-        self.block_size = config.kvcache_block_size
+        self.block_size = bs = config.kvcache_block_size
         self.query_cache_len = config.query_cache_len
         self.num_query_slots = num_query_slots
-        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
-        backend = config.attention_backend
-        if backend == "auto":
-            backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-        self.backend = backend
+        self.row_size = config.prefill_row_size
+        self.vocab_size = mc.vocab_size
+        self.backend = config.attention_backend
+        if self.backend == "auto":
+            self.backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+        self.max_blocks = -(-config.max_model_len // bs)  # blocks a sequence can hold
+        self.page = xla_page_size(bs)
+        self.suppress_width = bucket(MAX_STOP_TOKEN_IDS + len(eos_token_ids))
+        self.pad_slot = config.max_num_seqs  # the sampler state's padding row
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, loaded.model.dtype)
         make_kv = functools.partial(
-            KVState.zeros,
-            num_layers=mc.num_layers, num_blocks=num_blocks, block_size=self.block_size,
+            KVState.zeros, num_layers=mc.num_layers, num_blocks=num_blocks, block_size=bs,
             num_kv_heads=mc.num_kv_heads, num_heads=mc.num_heads, head_dim=mc.head_dim,
-            num_query_slots=num_query_slots, query_cache_len=self.query_cache_len,
-            dtype=loaded.model.dtype, global_score=config.use_global_score,
-        )
-        self.kv = make_kv() if self.tp is None else self.tp.make_kv(make_kv)
+            num_query_slots=num_query_slots, query_cache_len=self.query_cache_len, dtype=loaded.model.dtype,
+            kv_dtype=kv_dtype, global_score=config.use_global_score)
+        make_sampler = functools.partial(SamplerState.zeros, config.max_num_seqs, mc.vocab_size)
+        if self.tp is None:  # committed to the device, so the first call compiles once, not twice
+            device = jax.devices()[0]
+            self.state = jax.device_put(DeviceState(make_kv(), make_sampler()), device)
+        else:
+            self.state = DeviceState(self.tp.make_kv(make_kv), self.tp.replicate(make_sampler()))
+        self.compression = config.compression()
+        self.forward = CompiledSteps("forward", _forward_and_sample, fns=self.fns, params_def=self.params_def,
+                                     backend=self.backend, tp=self.tp)
+        self.compressor = CompiledSteps("compression", _compress, cfg=self.compression, backend=self.backend,
+                                        tp=self.tp)
+        self.seeder = CompiledSteps("history", _seed_history)
         self.compress_seconds = 0.0  # only measured when compaction is synchronous
-        # Asynchronous (default): a compaction is dispatched and the host goes on to the next
-        # decode at once. Off (or profiling): the host waits for each compaction and times it.
         self.profile_compress = not config.enable_async_compress
 
     @property
     def params(self):
-        """The parameters as an nnx.State (the jitted step takes them flat)."""
+        """The parameters as an nnx.State (the compiled steps take them flat)."""
         return jax.tree.unflatten(self.params_def, self.param_leaves)
+
+    @property
+    def num_compiles(self) -> int:
+        return sum(len(s.executables) for s in (self.forward, self.compressor, self.seeder))
 
     # -- compression ----------------------------------------------------------------------
 
     def compress(self, plans: list[CompressionPlan]) -> None:
-        """One jitted compaction per (budget, eviction policy) among `plans`."""
-        groups: dict[tuple[int, str], list[CompressionPlan]] = {}
-        for plan in plans:
-            policy = plan.seq.params.eviction_policy or self.config.eviction_policy
-            groups.setdefault((plan.seq.budget_blocks, policy), []).append(plan)
-        for (budget_blocks, policy), group in groups.items():
-            cfg = dataclasses.replace(self.config.compression(budget_blocks), eviction_policy=policy)
-            self._compress_group(cfg, group)
-
-    def _compress_group(self, cfg: CompressionConfig, plans: list[CompressionPlan]) -> None:
+        """One compaction of every sequence in `plans`, whatever their budgets and policies."""
         b = bucket(len(plans))
-        w = bucket(max(len(p.source_table) for p in plans))
+        w = bucket(max(len(p.source_table) for p in plans), 2)
         tables = np.full((b, w), DUMMY_BLOCK, np.int32)
-        targets = np.full((b, cfg.budget_blocks + 1), DUMMY_BLOCK, np.int32)
+        targets = np.full((b, w), DUMMY_BLOCK, np.int32)
         num_blocks = np.zeros(b, np.int32)
         query_ids = np.full(b, self.num_query_slots, np.int32)  # the padding row
         compressed = np.zeros(b, bool)
+        policies, options, budgets = [], [], []
         for i, plan in enumerate(plans):
+            seq = plan.seq
             tables[i, :len(plan.source_table)] = plan.source_table
-            targets[i] = plan.target_table
+            targets[i, :len(plan.target_table)] = plan.target_table
             num_blocks[i] = len(plan.source_table)
-            query_ids[i] = plan.seq.query_slot
-            compressed[i] = plan.seq.compressed
+            query_ids[i] = seq.query_slot
+            compressed[i] = seq.compressed
+            name = seq.params.eviction_policy or self.config.eviction_policy
+            policies.append(POLICIES[name])
+            options.append(self.config.policy_options(name))
+            budgets.append(seq.budget_blocks * self.block_size)
+        rows = compress_rows(policies, options, budgets, self.query_cache_len, b)
         start = time.perf_counter()
-        self.kv = _compress(self.kv, tables, num_blocks, query_ids, compressed, targets, cfg=cfg,
-                            backend=self.backend, tp=self.tp)
+        self.state = self.compressor(("batch", b, "blocks", w), self.state, tables, num_blocks, query_ids,
+                                     compressed, targets, rows)
         if self.profile_compress:
-            jax.block_until_ready(self.kv)
+            jax.block_until_ready(self.state)
             self.compress_seconds += time.perf_counter() - start
 
     # -- forward --------------------------------------------------------------------------
 
-    def run(self, chunks: list[Chunk], rows: list[SamplingRow]) -> list[StepResult]:
-        """Prefill chunks and decodes of one step; returns one result per chunk, in order."""
-        by_kind = {True: [], False: []}
-        for i, chunk in enumerate(chunks):
-            by_kind[chunk.num_tokens == 1].append(i)
+    def dispatch(self, chunks: list[Chunk], rows: list[SamplingRow]) -> tuple[list[PendingBatch], list[RowFailure]]:
+        """Dispatches the step's decode rows and prefill rows (at most two compiled calls)."""
+        failures: list[RowFailure] = []
         pending = []
-        for is_decode, idx in by_kind.items():
-            if idx:
-                out = self._dispatch([chunks[i] for i in idx], [rows[i] for i in idx])
-                pending.append((idx, out))
-        results: list[StepResult | None] = [None] * len(chunks)
-        for idx, out in pending:
-            out = jax.device_get(out)
-            for row, i in enumerate(idx):
-                results[i] = StepResult(chunks[i], int(out.token_ids[row]), float(out.logprobs[row]),
-                                        out.top_ids[row], out.top_logprobs[row])
-        return results
+        for is_decode in (True, False):
+            picked = [(c, r) for c, r in zip(chunks, rows) if (c.num_tokens == 1) == is_decode]
+            if picked:
+                batch = self._dispatch_batch(picked, is_decode, failures)
+                if batch is not None:
+                    pending.append(batch)
+        return pending, failures
 
-    def _dispatch(self, chunks: list[Chunk], rows: list[SamplingRow]) -> SamplerOutput:
-        inputs = self._inputs(chunks)
-        sampling, flags = SamplingBatch.build(rows, inputs.tokens.shape[0])
-        self.kv, out = _forward_and_sample(self.fns, self.params_def, self.param_leaves, self.kv, inputs, sampling,
-                                           flags=flags, backend=self.backend, tp=self.tp)
-        return out
+    def fetch(self, batches: list[PendingBatch]) -> Iterator[StepResult]:
+        """The sampled tokens of dispatched batches (waits for the device)."""
+        for batch in batches:
+            out = jax.device_get(batch.outputs)
+            for chunk, row in zip(batch.chunks, batch.rows):
+                yield StepResult(chunk, int(out.token_ids[row]), float(out.logprobs[row]), out.top_ids[row],
+                                 out.top_logprobs[row])
 
-    def _inputs(self, chunks: list[Chunk]) -> StepInputs:
+    def _dispatch_batch(self, picked: list[tuple[Chunk, SamplingRow]], is_decode: bool,
+                        failures: list[RowFailure]) -> PendingBatch | None:
+        chunk_len = 1 if is_decode else self.row_size
+        prepared = []
+        for chunk, srow in picked:
+            try:  # everything that can fail happens here, before any row is written
+                prepared.append((chunk, self._chunk_rows(chunk, srow, chunk_len)))
+            except Exception as exc:  # noqa: BLE001 - the request fails alone; the step goes on
+                failures.append(RowFailure(chunk, exc))
+        num_rows = sum(len(rows) for _, rows in prepared)
+        if num_rows == 0:
+            return None
+        r = bucket(num_rows)
+        inputs = _InputArrays(r, chunk_len, self._table_width(chunk_len), self.num_query_slots * self.query_cache_len)
+        sampling = SamplingArrays(r, self.suppress_width, self.pad_slot)
+        sampled, out_rows = [], []
+        i = 0
+        for chunk, rows in prepared:
+            for values, srow in rows:
+                inputs.write(i, values)
+                sampling.set(i, srow, self.vocab_size)
+                i += 1
+            if chunk.samples:
+                sampled.append(chunk)
+                out_rows.append(i - 1)
+        key = ("decode rows" if is_decode else "prefill rows", r)
+        self.state, outputs = self.forward(key, self.param_leaves, self.state, inputs.step_inputs(),
+                                           sampling.batch())
+        return PendingBatch(sampled, out_rows, outputs)
+
+    def _table_width(self, chunk_len: int) -> int:
+        if uses_block_tables(self.backend, chunk_len):
+            return self.max_blocks
+        return self.max_blocks * (self.block_size // self.page)
+
+    def _chunk_rows(self, chunk: Chunk, srow: SamplingRow, c: int) -> list[tuple[dict, SamplingRow]]:
+        """The rows one chunk takes in a step of c-token rows: (input values, sampling row) each."""
+        seq, n = chunk.seq, chunk.num_tokens
         bs, ql = self.block_size, self.query_cache_len
-        # the XLA path attends over pages of the pool, the Pallas kernel over whole blocks
-        page = xla_page_size(bs) if self.backend == "xla" else bs
-        pages_per_block = bs // page
-        b = bucket(len(chunks))
-        c = bucket(max(ch.num_tokens for ch in chunks), 1 if all(ch.num_tokens == 1 for ch in chunks) else 16)
-        # at least _MIN_TABLE_TOKENS per row, so a short generation does not compile one step per width
-        w = bucket(max(-(-(ch.seq.num_kv_slots + ch.num_tokens) // page) for ch in chunks),
-                   max(1, _MIN_TABLE_TOKENS // page))
         pad_query = self.num_query_slots * ql
-        caches_queries = any(ch.seq.query_slot is not None for ch in chunks)
-        tokens = np.zeros((b, c), np.int32)
-        positions = np.zeros((b, c), np.int32)
-        slots = np.full((b, c), DUMMY_BLOCK * bs, np.int32)
-        query_index = np.full((b, c), pad_query, np.int32) if caches_queries else None
-        tables = np.full((b, w), DUMMY_BLOCK, np.int32)
-        kv_lens = np.zeros((b, c), np.int32)
-        last_index = np.zeros(b, np.int32)
-        for row, ch in enumerate(chunks):
-            seq, n = ch.seq, ch.num_tokens
-            table = np.asarray(seq.block_table, np.int32)
-            phys = seq.num_kv_slots + np.arange(n)
-            tokens[row, :n] = seq.token_ids[ch.start:ch.start + n]
-            positions[row, :n] = np.arange(ch.start, ch.start + n)
-            slots[row, :n] = table[phys // bs] * bs + phys % bs
-            pages = (table[:, None] * pages_per_block + np.arange(pages_per_block)).reshape(-1)
-            used = -(-(seq.num_kv_slots + n) // page)
-            tables[row, :used] = pages[:used]
-            kv_lens[row, :n] = phys + 1
-            last_index[row] = n - 1
-            if seq.query_slot is not None:
-                offset = phys % bs - (bs - ql)
-                query_index[row, :n] = np.where(offset >= 0, seq.query_slot * ql + offset, pad_query)
-        return StepInputs(tokens, positions, slots, query_index, tables, kv_lens, last_index)
+        table = np.asarray(seq.block_table, np.int32)
+        by_block = uses_block_tables(self.backend, c)
+        if by_block:
+            tables = table
+        else:
+            per_block = bs // self.page
+            tables = (table[:, None] * per_block + np.arange(per_block, dtype=np.int32)).reshape(-1)
+        tables = tables[:-(-(seq.num_kv_slots + n) // (bs if by_block else self.page))]
+        phys = seq.num_kv_slots + np.arange(n)
+        tokens = np.asarray(seq.token_ids[chunk.start:chunk.start + n], np.int32)  # PENDING: read on the device
+        slots = table[phys // bs] * bs + phys % bs
+        query_index = np.full(n, pad_query, np.int32)
+        if seq.query_slot is not None:
+            offset = phys % bs - query_tail_start(bs, ql)
+            query_index = np.where(offset >= 0, seq.query_slot * ql + offset, pad_query)
+        positions = chunk.start + np.arange(n)
+        n_rows = -(-n // c)
+        SamplingArrays.check(srow, self.suppress_width)
+        rows = []
+        for j in range(n_rows):
+            part = slice(j * c, min(n, (j + 1) * c))
+            values = dict(tokens=tokens[part], positions=positions[part], slots=slots[part],
+                          query_index=query_index[part], kv_lens=phys[part] + 1, block_tables=tables,
+                          last_index=part.stop - part.start - 1)
+            last = j == n_rows - 1
+            rows.append((values, dataclasses.replace(srow, reset=srow.reset and j == 0, samples=srow.samples and last)))
+        return rows
+
+    def seed_history(self, seq: Sequence) -> None:
+        """Clears `seq`'s state slot and counts its cached prefix tokens (penalised requests
+        admitted with a prefix-cache hit: those tokens never pass through a step)."""
+        n = seq.num_computed_tokens
+        width = bucket(n, _MIN_HISTORY)
+        tokens = np.full((1, width), -1, np.int32)
+        tokens[0, :n] = seq.token_ids[:n]
+        self.state = self.seeder(("tokens", width), self.state, np.array([seq.state_slot], np.int32), tokens,
+                                 np.array([seq.num_prompt_tokens], np.int32))
+
+    # -- warm-up --------------------------------------------------------------------------
+
+    def step_grid(self) -> list[tuple[str, tuple, Callable[[], None]]]:
+        """Every program the configuration can reach: (kind, key, compile it)."""
+        cfg = self.config
+        grid = []
+        for r in buckets(cfg.max_num_seqs):
+            grid.append(("forward", ("decode rows", r), functools.partial(self._compile_forward, r, 1)))
+        for r in buckets(max(1, cfg.max_num_batched_tokens // self.row_size)):
+            grid.append(("forward", ("prefill rows", r), functools.partial(self._compile_forward, r, self.row_size)))
+        for b in buckets(cfg.max_compress_seqs):
+            for w in buckets(self.max_blocks, 2):
+                grid.append(("compression", ("batch", b, "blocks", w), functools.partial(self._compile_compress, b, w)))
+        for n in buckets(cfg.max_model_len, _MIN_HISTORY):
+            grid.append(("history", ("tokens", n), functools.partial(self._compile_seed, n)))
+        return grid
+
+    def _compile_forward(self, r: int, c: int) -> None:
+        inputs = _InputArrays(r, c, self._table_width(c), 0)
+        sampling = SamplingArrays(r, self.suppress_width, self.pad_slot)
+        kind = "decode rows" if c == 1 else "prefill rows"
+        self.forward.get((kind, r), self.param_leaves, self.state, inputs.step_inputs(), sampling.batch())
+
+    def _compile_compress(self, b: int, w: int) -> None:
+        tables = np.zeros((b, w), np.int32)
+        rows = compress_rows([], [], [], self.query_cache_len, b)
+        self.compressor.get(("batch", b, "blocks", w), self.state, tables, np.zeros(b, np.int32),
+                            np.zeros(b, np.int32), np.zeros(b, bool), tables, rows)
+
+    def _compile_seed(self, n: int) -> None:
+        one = np.zeros(1, np.int32)
+        self.seeder.get(("tokens", n), self.state, one, np.zeros((1, n), np.int32), one)
+
+
+class _InputArrays:
+    """Host arrays of one StepInputs; untouched rows are padding (dummy slot, nothing visible)."""
+
+    def __init__(self, rows: int, chunk: int, width: int, pad_query: int):
+        self.pad_query = pad_query
+        self.tokens = np.zeros((rows, chunk), np.int32)
+        self.positions = np.zeros((rows, chunk), np.int32)
+        self.slots = np.full((rows, chunk), DUMMY_BLOCK, np.int32)
+        self.query_index = np.full((rows, chunk), pad_query, np.int32)
+        self.block_tables = np.full((rows, width), DUMMY_BLOCK, np.int32)
+        self.kv_lens = np.zeros((rows, chunk), np.int32)
+        self.last_index = np.zeros(rows, np.int32)
+
+    def write(self, row: int, values: dict) -> None:
+        for name, value in values.items():
+            target = getattr(self, name)
+            if target.ndim == 1:
+                target[row] = value
+            else:
+                target[row, :len(value)] = value
+
+    def step_inputs(self) -> StepInputs:
+        return StepInputs(self.tokens, self.positions, self.slots, self.query_index, self.block_tables,
+                          self.kv_lens, self.last_index)
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
+    """The pool's element type for an EngineConfig.kv_cache_dtype."""
+    return {"auto": jnp.dtype(model_dtype), "int8": jnp.dtype(jnp.int8),
+            "fp8": jnp.dtype(jnp.float8_e4m3fn)}[kv_cache_dtype]

@@ -1,9 +1,12 @@
 """Continuous batching: which sequences compute which tokens this step.
 
 FCFS; running sequences first (decodes and prefill chunks), then admission from the waiting
-queue, all under `max_num_batched_tokens`. A sequence at its KV budget is compressed instead
+queue, all under `max_num_batched_tokens`. A prefill chunk costs its tokens rounded up to whole
+prefill rows (`prefill_row_size`), so a step's prefill rows never exceed
+max_num_batched_tokens / prefill_row_size. A sequence at its KV budget is compressed instead
 of growing; compressed sequences are suspended, never preempted. Preemption is by recompute,
-the victim being the most recently admitted sequence that may be preempted.
+the victim being the most recently admitted sequence that may be preempted. A sequence whose
+last token is sampled (perhaps still on its way to the host) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -35,51 +38,48 @@ class SchedulerOutput:
     chunks: list[Chunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def prefills(self) -> list[Chunk]:
-        return [c for c in self.chunks if c.num_tokens > 1]
 
-    @property
-    def decodes(self) -> list[Chunk]:
-        return [c for c in self.chunks if c.num_tokens == 1]
+class Slots:
+    """Numbered rows of a device array, held by sequences through `seq.<attr>`."""
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.compressions or self.chunks)
-
-
-class QuerySlots:
-    """Rows of the query cache; fewer than the sequences that fit (hybrid engine)."""
-
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, attr: str):
         self.free = deque(range(num_slots))
         self.num_slots = num_slots
+        self.attr = attr
 
     def acquire(self, seq: Sequence) -> bool:
-        if seq.query_slot is None:
+        if getattr(seq, self.attr) is None:
             if not self.free:
                 return False
-            seq.query_slot = self.free.popleft()
+            setattr(seq, self.attr, self.free.popleft())
         return True
 
     def release(self, seq: Sequence) -> None:
-        if seq.query_slot is not None:
-            self.free.append(seq.query_slot)
-            seq.query_slot = None
+        slot = getattr(seq, self.attr)
+        if slot is not None:
+            self.free.append(slot)
+            setattr(seq, self.attr, None)
 
     @property
     def in_use(self) -> int:
         return self.num_slots - len(self.free)
 
 
+def prefill_cost(num_tokens: int, row_size: int) -> int:
+    """Budget a chunk uses: a decode token is 1, a prefill chunk fills whole rows."""
+    return 1 if num_tokens == 1 else -(-num_tokens // row_size) * row_size
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_query_slots: int, max_compress_seqs: int):
+                 num_query_slots: int, max_compress_seqs: int, prefill_row_size: int = 1):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_compress_seqs = max_compress_seqs
-        self.query_slots = QuerySlots(num_query_slots)
+        self.prefill_row_size = prefill_row_size
+        self.query_slots = Slots(num_query_slots, "query_slot")
+        self.state_slots = Slots(max_num_seqs, "state_slot")
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -100,8 +100,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status != SequenceStatus.RUNNING or seq.is_complete:
+                continue  # preempted earlier in this loop, or waiting for its last token
             if self._needs_compression(seq):
                 if len(out.compressions) < self.max_compress_seqs:
                     plan = self.block_manager.plan_compression(seq)
@@ -118,7 +118,7 @@ class Scheduler:
             if n == 0:
                 continue
             out.chunks.append(Chunk(seq, seq.num_computed_tokens, n))
-            budget -= n
+            budget -= prefill_cost(n, self.prefill_row_size)
         # No admission in a step that preempted: the pool is full (vLLM does the same).
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
@@ -136,9 +136,10 @@ class Scheduler:
             self.block_manager.count_prefix_lookup(seq, cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            self.state_slots.acquire(seq)  # always free: one per running sequence
             self.running.append(seq)
             out.chunks.append(Chunk(seq, seq.num_computed_tokens, n))
-            budget -= n
+            budget -= prefill_cost(n, self.prefill_row_size)
         return out
 
     def _needs_compression(self, seq: Sequence) -> bool:
@@ -147,8 +148,11 @@ class Scheduler:
                 and seq.num_kv_slots == len(seq.block_table) * self.block_manager.block_size)
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
-        """Tokens to compute now; stops before a query tail when no query slot is free."""
+        """Tokens to compute now, within the budget in whole prefill rows; stops before a query
+        tail when no query slot is free."""
         n = min(seq.num_uncomputed_tokens, budget)
+        if prefill_cost(n, self.prefill_row_size) > budget:
+            n = budget // self.prefill_row_size * self.prefill_row_size
         tail = seq.first_query_tail_slot()
         if tail is not None and tail < seq.num_kv_slots + n and not self.query_slots.acquire(seq):
             n = max(0, tail - seq.num_kv_slots)
@@ -173,7 +177,8 @@ class Scheduler:
         """Preempts the most recently admitted sequence that may be (perhaps `seq` itself) to free
         blocks for `seq`. False when `seq` must wait: it was the victim, or only compressed
         sequences hold memory."""
-        victim = next((s for s in reversed(self.running) if not (s.compressed or s.compressing)), None)
+        victim = next((s for s in reversed(self.running)
+                       if not (s.compressed or s.compressing or s.is_complete)), None)
         if victim is None:
             return False
         self.preempt(victim, out)
@@ -184,6 +189,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         self.query_slots.release(seq)
+        self.state_slots.release(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
@@ -205,7 +211,7 @@ class Scheduler:
         return total
 
     def commit(self, chunk: Chunk) -> None:
-        """The chunk's K/V are in the pool."""
+        """The chunk was dispatched: its K/V are in the pool for every later step."""
         seq = chunk.seq
         seq.num_computed_tokens += chunk.num_tokens
         seq.num_kv_slots += chunk.num_tokens
@@ -219,4 +225,5 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         self.query_slots.release(seq)
+        self.state_slots.release(seq)
         seq.status = SequenceStatus.FINISHED

@@ -7,6 +7,14 @@ import itertools
 from dataclasses import dataclass, field
 
 _ids = itertools.count()
+PENDING = -1  # a sampled token the host has not received yet (asynchronous scheduling)
+
+
+def query_tail_start(block_size: int, query_cache_len: int) -> int:
+    """First in-block offset whose query is cached: the last `query_cache_len` slots of a block
+    that is compressed when it fills (docs/ALGORITHM.md section 1). The one place of this rule:
+    the runner writes query i of the tail at offset query_tail_start + i."""
+    return block_size - query_cache_len
 
 
 class SequenceStatus(enum.Enum):
@@ -34,6 +42,9 @@ class Sequence:
     Logical length (`num_computed_tokens`: tokens whose K/V were computed, i.e. RoPE positions
     0..n-1) and physical length (`num_kv_slots`: pool slots used in `block_table`) differ once
     a sequence has been compressed.
+
+    With asynchronous scheduling the last `num_pending` token ids are PENDING: sampled on the
+    device, not yet seen by the host. Lengths count them; only their values are unknown.
     """
 
     token_ids: list[int]
@@ -53,12 +64,17 @@ class Sequence:
     compressed: bool = False
     compressing: bool = False
     query_slot: int | None = None
+    state_slot: int | None = None  # row of the device's per-sequence sampling state while running
+    state_fresh: bool = False  # the state row was cleared and seeded for this admission
+    num_pending: int = 0
+    max_len: int = 0  # prompt + max_tokens, capped at max_model_len: no token is computed past it
     seed: int = 0
     query_cache_len: int = 16
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+        self.max_len = self.max_len or (1 << 62)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -68,8 +84,27 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending
+
+    @property
+    def is_complete(self) -> bool:
+        """Its last token has been sampled (perhaps still pending): nothing more to compute."""
+        return len(self.token_ids) >= self.max_len
+
+    def append_pending(self) -> None:
+        self.token_ids.append(PENDING)
+        self.num_pending += 1
+
+    def resolve(self, token_id: int) -> None:
+        """The oldest pending token's value has arrived."""
+        self.token_ids[len(self.token_ids) - self.num_pending] = token_id
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        """Finished: tokens sampled after the last one it keeps are discarded."""
+        del self.token_ids[len(self.token_ids) - self.num_pending:]
+        self.num_pending = 0
 
     @property
     def is_finished(self) -> bool:
@@ -95,8 +130,7 @@ class Sequence:
             return None
         bs = self.block_size
         start = max(self.num_kv_slots, self.budget_blocks * bs)
-        tail_start = (start // bs) * bs + bs - self.query_cache_len
-        return max(start, tail_start)
+        return max(start, (start // bs) * bs + query_tail_start(bs, self.query_cache_len))
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: forget all KV, keep the tokens generated so far."""
@@ -107,4 +141,5 @@ class Sequence:
         self.num_hashed_blocks = 0
         self.compressed = False
         self.compressing = False
+        self.state_fresh = False
         self.metrics.num_preemptions += 1

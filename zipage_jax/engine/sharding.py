@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from zipage_jax.engine.kv_state import KVState
+from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.loading import LoadedModel
 from zipage_jax.models.weights import decoder_from_flat, flat_params, fuse_qkv, split_qkv
@@ -61,10 +61,11 @@ class TensorParallel:
         return _place(params, self.param_shardings(params))
 
     def kv_specs(self, kv: KVState) -> KVState:
+        per_token = lambda xs: None if xs is None else tuple(_SCORE_HEADS for _ in xs)  # noqa: E731
         return KVState(
             k=tuple(_HEADS for _ in kv.k), v=tuple(_HEADS for _ in kv.v),
             queries=tuple(_HEADS for _ in kv.queries),
-            scores=None if kv.scores is None else tuple(_SCORE_HEADS for _ in kv.scores),
+            scores=per_token(kv.scores), k_scales=per_token(kv.k_scales), v_scales=per_token(kv.v_scales),
         )
 
     def kv_shardings(self, kv: KVState) -> KVState:
@@ -74,6 +75,10 @@ class TensorParallel:
     def make_kv(self, make: Callable[[], KVState]) -> KVState:
         """Builds the zero KV state directly sharded (the whole pool never sits on one device)."""
         return jax.jit(make, out_shardings=self.kv_shardings(jax.eval_shape(make)))()
+
+    def replicate(self, tree):
+        """Every device holds the whole of `tree` (the sampler's state)."""
+        return _place(tree, jax.tree_util.tree_map(lambda _: NamedSharding(self.mesh, P()), tree))
 
     def constrain_kv(self, kv: KVState) -> KVState:
         """Inside jit: pins the returned KV state to its input layout (steady jit cache keys)."""

@@ -1,66 +1,37 @@
-"""The engine's attention: write new K/V (and cached queries) into the pool, then attend
-over each sequence's pages. Decode uses the paged decode kernel (Pallas on GPU, XLA on CPU);
-prefill chunks attend over cached prefix blocks plus the chunk itself.
+"""The engine's attention: write new K/V (and cached queries) into the pool, then attend over
+each row's pages. Decode rows use the paged decode kernel (Pallas) on GPU; everything else, and
+everything on CPU, uses the XLA loop of `pallas_kernels.xla_attention`, which writes the new
+K/V inside its loop (see its docstring) and whose cost follows the longest row, not the table
+width.
 
 The XLA path reads the pool in pages of `xla_page_size(block_size)` tokens (a free reshape of
-[num_blocks, BS, ...]): its tables list only the pages the longest row needs, so a short
-sequence in a 256-token block gathers 16 tokens, not 256. The Pallas kernel reads whole blocks.
+[num_blocks, BS, ...]), so a short sequence in a 256-token block gathers 16 tokens, not 256.
+The Pallas kernel reads whole blocks.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_xla
-from pallas_kernels.prefill_attention import paged_prefill_attention
-from zipage_jax.engine.kv_state import KVState
+from pallas_kernels.paged_attention import paged_decode_attention
+from pallas_kernels.xla_attention import NewKV, Pools, paged_attention, scatter_rows, write_kv
+from zipage_jax.layers.kv_cache import KVState
 
-if TYPE_CHECKING:
-    from zipage_jax.engine.sharding import TensorParallel
+Backend = str  # "xla" | "pallas" | "pallas-interpret"
 
 
 class StepInputs(NamedTuple):
-    tokens: jax.Array  # [B, C] int32
-    positions: jax.Array  # [B, C] int32, logical positions (RoPE)
-    slots: jax.Array  # [B, C] int32, flat pool slot block * BS + offset (padding: dummy block 0)
-    query_index: jax.Array | None  # [B, C] int32, flat query-cache row slot * QL + i (else the
-    #                                padding row); None when no row caches queries
-    block_tables: jax.Array  # [B, W] int32 blocks (pallas) or pages (xla), padded with page 0
-    kv_lens: jax.Array  # [B, C] int32, pool slots visible to each token (0 for padding)
-    last_index: jax.Array  # [B] int32, index in C of the token whose logits are sampled
-
-
-def paged_attention_fn(inputs: StepInputs, backend: str, tp: TensorParallel | None = None):
-    """An `attn_fn(layer, q, k, v, kv_state)` for the decoder; backend: xla | pallas | pallas-interpret.
-
-    With `tp`, the Pallas decode kernel runs per shard on its heads (shard_map)."""
-
-    def attn(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, state: KVState):
-        # q: [B, C, Hq, D]; k, v: [B, C, Hkv, D]
-        k_pool = _scatter_rows(state.k[layer], inputs.slots, k)
-        v_pool = _scatter_rows(state.v[layer], inputs.slots, v)
-        state = state.replace_layer(layer, k=k_pool, v=v_pool)
-        if inputs.query_index is not None:
-            state = state.replace_layer(layer, queries=_scatter_rows(state.queries[layer], inputs.query_index, q))
-        if backend == "xla":
-            k_pool, v_pool = _as_pages(k_pool), _as_pages(v_pool)
-        if q.shape[1] == 1:
-            args = (q[:, 0], k_pool, v_pool, inputs.block_tables, inputs.kv_lens[:, 0])
-            if backend == "xla":
-                out = paged_decode_attention_xla(*args)
-            else:
-                kernel = functools.partial(paged_decode_attention, interpret=backend == "pallas-interpret")
-                out = (kernel if tp is None else tp.per_shard_decode(kernel))(*args)
-            out = out[:, None]
-        else:
-            out = paged_prefill_attention(q, k_pool, v_pool, inputs.block_tables, inputs.kv_lens)
-        return out, state
-
-    return attn
+    tokens: jax.Array  # [R, C] int32; -1: the row's last sampled token, read on the device
+    positions: jax.Array  # [R, C] int32, logical positions (RoPE)
+    slots: jax.Array  # [R, C] int32, flat pool slot block * BS + offset (padding: dummy block 0)
+    query_index: jax.Array  # [R, C] int32, flat query-cache row slot * QL + i (else the padding row)
+    block_tables: jax.Array  # [R, W] int32 blocks (pallas decode) or pages (xla), padded with 0
+    kv_lens: jax.Array  # [R, C] int32, pool slots visible to each token (0 for padding)
+    last_index: jax.Array  # [R] int32, index in C of the token whose logits are sampled
 
 
 def xla_page_size(block_size: int) -> int:
@@ -68,17 +39,51 @@ def xla_page_size(block_size: int) -> int:
     return min(block_size, 16)
 
 
-def _as_pages(pool: jax.Array) -> jax.Array:
-    # [num_blocks, BS, Hkv, D] -> [num_blocks * BS / P, P, Hkv, D]; flat slot ids are unchanged
-    page = xla_page_size(pool.shape[1])
-    return pool.reshape((-1, page) + pool.shape[2:])
+def uses_block_tables(backend: Backend, chunk: int) -> bool:
+    """Whether rows of `chunk` tokens attend through block tables (Pallas decode) or page tables."""
+    return backend != "xla" and chunk == 1
 
 
-def _scatter_rows(cache: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
-    """cache: [N0, N1, ...rest]; index: [B, C] flat into N0*N1; rows: [B, C, ...rest].
+def paged_attention_fn(inputs: StepInputs, backend: Backend,
+                       per_shard_decode: Callable[[Callable], Callable] | None = None):
+    """An `attn_fn(layer, q, k, v, kv_state)` for the decoder.
 
-    Indexes the two leading axes (not a reshaped view), so XLA updates the donated buffer in
-    place instead of copying it."""
-    index = index.reshape(-1)
-    rows = rows.reshape((-1,) + cache.shape[2:]).astype(cache.dtype)
-    return cache.at[index // cache.shape[1], index % cache.shape[1]].set(rows)
+    per_shard_decode: wraps the Pallas decode kernel to run per tensor-parallel shard (shard_map);
+    None on one device."""
+
+    def attn(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, state: KVState):
+        # q: [R, C, Hq, D]; k, v: [R, C, Hkv, D]
+        queries = scatter_rows(state.queries[layer], inputs.query_index, q)
+        pools = Pools(state.k[layer], state.v[layer], _layer(state.k_scales, layer), _layer(state.v_scales, layer))
+        new = NewKV(inputs.slots, k, v)
+        if uses_block_tables(backend, q.shape[1]):
+            pools = write_kv(pools, new)
+            kernel = functools.partial(paged_decode_attention, interpret=backend == "pallas-interpret")
+            kernel = kernel if per_shard_decode is None else per_shard_decode(kernel)
+            out = kernel(q[:, 0], pools.k, pools.v, inputs.block_tables, inputs.kv_lens[:, 0],
+                         **_scales_kwargs(pools))[:, None]
+        else:
+            page = xla_page_size(pools.k.shape[1])
+            out, paged = paged_attention(q, _as_pages(pools, page), inputs.block_tables, inputs.kv_lens, new)
+            pools = _as_blocks(paged, pools)
+        return out, state.replace_layer(layer, queries=queries, k=pools.k, v=pools.v, k_scales=pools.k_scales,
+                                        v_scales=pools.v_scales)
+
+    return attn
+
+
+def _layer(items, layer):
+    return None if items is None else items[layer]
+
+
+def _scales_kwargs(pools: Pools) -> dict:
+    return {} if pools.k_scales is None else {"k_scales": pools.k_scales, "v_scales": pools.v_scales}
+
+
+def _as_pages(pools: Pools, page: int) -> Pools:
+    """[num_blocks, BS, ...] -> [num_blocks * BS / page, page, ...]: flat slot ids are unchanged."""
+    return Pools(*(None if a is None else a.reshape((-1, page) + a.shape[2:]) for a in pools))
+
+
+def _as_blocks(paged: Pools, like: Pools) -> Pools:
+    return Pools(*(None if a is None else a.reshape(b.shape) for a, b in zip(paged, like)))

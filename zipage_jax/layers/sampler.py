@@ -12,21 +12,25 @@ Filters work on unnormalised probabilities p = exp(x - max x), so the kept set i
 {p >= max(t_top_k, t_top_p, min_p)} (ties at a threshold are all kept). The top-k and top-p
 thresholds are read from the `_CANDIDATES` largest p of each row; only the rows whose
 threshold lies deeper run an exact bisection over float32 bits. Nothing sorts the vocabulary.
+
+No option is static: every option is a per-row array, and the costly stages (penalties, random
+draws, top-k / top-p, log-probabilities) run under `lax.cond` only when some row needs them, so
+one compiled program serves every mix of requests. Penalties read per-sequence token counts
+kept on the device (`SamplerState`, filled by `record_inputs` from each step's input tokens), so
+no token history crosses from the host; the sampled tokens stay on the device as each slot's
+`last_token` for the next step's input.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.sampling_params import MAX_LOGPROBS
 
 _LANE = 128  # the vocabulary is padded to a multiple; argmax and draws go block then lane
 _GROUP = 16  # candidate groups of _largest
@@ -35,34 +39,24 @@ _ONE_BITS = 0x3F800000  # float32 1.0: thresholds are bisected over the bits of 
 _BISECT_STEPS = 30  # ceil(log2(_ONE_BITS + 1))
 
 
-@dataclass(frozen=True)
-class SamplingRow:
-    """One sequence's sampling inputs for this step, as the engine knows them on the host."""
+class SamplerState(NamedTuple):
+    """Per-sequence sampling state kept on the device, one row per state slot (+1 padding row)."""
 
-    params: SamplingParams
-    seed: int  # params.seed, or a seed the engine drew once for this request (reduced mod 2**32)
-    step: int = 0  # output tokens generated so far
-    token_ids: Sequence[int] = ()  # prompt + output so far; read only when the row has a penalty
-    num_prompt_tokens: int = 0
-    suppress_ids: Sequence[int] = ()  # ids banned this step: EOS and stop ids while min_tokens is active
-    forced_id: int = -1  # teacher forcing: the token this step outputs whatever is sampled; -1 = none
+    last_token: jax.Array  # [S + 1] i32, the last token sampled for each slot
+    output_counts: jax.Array  # [S + 1, V] i32, occurrences of each token among the outputs
+    prompt_mask: jax.Array  # [S + 1, V] bool, token occurs in the prompt
 
-
-@dataclass(frozen=True)
-class SamplerFlags:
-    """What the batch needs, chosen on the host: a static argument of `sample`."""
-
-    any_random: bool = False  # some row has temperature > 0 (else: argmax)
-    any_top_k_p: bool = False  # some random row uses top-k or top-p
-    any_penalty: bool = False  # some row has a repetition, presence or frequency penalty
-    any_suppress: bool = False  # some row bans token ids (min_tokens)
-    num_logprobs: int = 0  # top-N log-probabilities returned per row
-    any_forced: bool = False  # some row outputs a forced token
+    @classmethod
+    def zeros(cls, num_slots: int, vocab_size: int) -> "SamplerState":
+        return cls(jnp.zeros((num_slots + 1,), jnp.int32), jnp.zeros((num_slots + 1, vocab_size), jnp.int32),
+                   jnp.zeros((num_slots + 1, vocab_size), jnp.bool_))
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplingBatch:
+    """Every option is a per-row value (no static flags): one compiled sampler serves any mix."""
+
     temperature: jax.Array  # [B] f32, 0 = greedy
     top_k: jax.Array  # [B] i32, 0 = off
     top_p: jax.Array  # [B] f32
@@ -71,99 +65,64 @@ class SamplingBatch:
     presence_penalty: jax.Array  # [B] f32
     frequency_penalty: jax.Array  # [B] f32
     seed: jax.Array  # [B] u32
-    step: jax.Array  # [B] i32
+    step: jax.Array  # [B] i32 output tokens so far (the random stream's position)
     suppress_ids: jax.Array  # [B, S] i32 token ids banned this step, -1 = padding
-    history: jax.Array  # [B, Lh] i32 penalised tokens (prompt first), -1 = padding
-    num_prompt: jax.Array  # [B] i32 leading history entries that are prompt tokens
     forced: jax.Array  # [B] i32 token each row outputs instead of its sample, -1 = none
-
-    @classmethod
-    def build(cls, rows: Sequence[SamplingRow], batch_size: int) -> tuple["SamplingBatch", SamplerFlags]:
-        """Host arrays for `rows`, padded to `batch_size` with greedy rows, and the flags they need."""
-        if not 0 < len(rows) <= batch_size:
-            raise ValueError(f"need 1..batch_size={batch_size} rows, got {len(rows)}")
-        b = batch_size
-        temperature = np.zeros(b, np.float32)
-        top_k = np.zeros(b, np.int32)
-        top_p = np.ones(b, np.float32)
-        min_p = np.zeros(b, np.float32)
-        penalties = np.zeros((3, b), np.float32)
-        penalties[0] = 1.0
-        seed = np.zeros(b, np.uint32)
-        step = np.zeros(b, np.int32)
-        num_prompt = np.zeros(b, np.int32)
-        forced = np.full(b, -1, np.int32)
-        suppress: list[Sequence[int]] = [() for _ in range(b)]
-        history: list[Sequence[int]] = [() for _ in range(b)]
-        any_top_k_p = False
-        for i, row in enumerate(rows):
-            sp = row.params
-            if not sp.greedy:
-                temperature[i], min_p[i] = sp.temperature, sp.min_p
-                top_k[i] = max(sp.top_k, 0)
-                top_p[i] = sp.top_p
-                any_top_k_p |= top_k[i] > 0 or sp.top_p < 1
-            penalties[:, i] = sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty
-            seed[i] = row.seed % 2**32
-            step[i] = row.step
-            suppress[i] = row.suppress_ids
-            forced[i] = row.forced_id
-            if sp.repetition_penalty != 1:
-                history[i], num_prompt[i] = row.token_ids, row.num_prompt_tokens
-            elif sp.presence_penalty or sp.frequency_penalty:
-                history[i] = row.token_ids[row.num_prompt_tokens :]
-        batch = cls(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=penalties[0],
-            presence_penalty=penalties[1],
-            frequency_penalty=penalties[2],
-            seed=seed,
-            step=step,
-            suppress_ids=_padded(suppress),
-            history=_padded(history),
-            num_prompt=num_prompt,
-            forced=forced,
-        )
-        flags = SamplerFlags(
-            any_random=bool(temperature.any()),
-            any_top_k_p=bool(any_top_k_p),
-            any_penalty=batch.history.shape[1] > 0,
-            any_suppress=batch.suppress_ids.shape[1] > 0,
-            num_logprobs=_logprobs_bucket(max(row.params.logprobs or 0 for row in rows)),
-            any_forced=bool((forced >= 0).any()),
-        )
-        return batch, flags
+    wants_logprobs: jax.Array  # [B] bool
+    slot: jax.Array  # [B] i32 state slot (padding rows: the padding slot)
+    num_prompt: jax.Array  # [B] i32 prompt length: earlier positions count as prompt tokens
+    reset: jax.Array  # [B] bool: the row starts its sequence, its slot's state is cleared first
+    samples: jax.Array  # [B] bool: the row's logits give its sequence's next token
 
 
 class SamplerOutput(NamedTuple):
     token_ids: jax.Array  # [B] i32
     logprobs: jax.Array  # [B] f32 log_softmax(logits) of the chosen token
-    top_ids: jax.Array  # [B, N] i32, most likely first
-    top_logprobs: jax.Array  # [B, N] f32
+    top_ids: jax.Array  # [B, MAX_LOGPROBS] i32, most likely first (zeros unless some row wants them)
+    top_logprobs: jax.Array  # [B, MAX_LOGPROBS] f32
 
 
-@partial(jax.jit, static_argnames=("flags",))
-def sample(logits: jax.Array, batch: SamplingBatch, flags: SamplerFlags) -> SamplerOutput:
-    """logits: [B, V] -> one token per row (see the module docstring)."""
+def record_inputs(state: SamplerState, tokens: jax.Array, positions: jax.Array, valid: jax.Array,
+                  slot: jax.Array, num_prompt: jax.Array, reset: jax.Array) -> SamplerState:
+    """Counts input tokens into their rows' slots (prompt positions into the prompt mask).
+
+    Every token reaches the sampler's history as the input of the step after it was sampled, so
+    the next token's penalties see the whole prompt and output without any history sent.
+    tokens, positions, valid: [B, C]; slot, num_prompt, reset: [B] (reset clears the slot first).
+    """
+    cleared = jnp.where(reset, slot, state.last_token.shape[0] - 1)  # the padding slot otherwise
+    counts = state.output_counts.at[cleared].set(0)
+    prompt = state.prompt_mask.at[cleared].set(False)
+    rows = jnp.broadcast_to(slot[:, None], tokens.shape)
+    is_output = positions >= num_prompt[:, None]
+    ids = jnp.maximum(tokens, 0)
+    counts = counts.at[rows, ids].add((valid & is_output).astype(jnp.int32))
+    prompt = prompt.at[rows, ids].max(valid & ~is_output)
+    return state._replace(output_counts=counts, prompt_mask=prompt)
+
+
+@jax.jit
+def sample(logits: jax.Array, batch: SamplingBatch, state: SamplerState) -> tuple[SamplerOutput, SamplerState]:
+    """logits: [B, V] -> one token per row (see the module docstring); the sampling rows' tokens
+    become their slots' last_token."""
     if logits.ndim != 2 or logits.shape[0] != batch.temperature.shape[0]:
         raise ValueError(f"logits must be [B={batch.temperature.shape[0]}, V], got {logits.shape}")
     vocab = logits.shape[-1]
     raw = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, -vocab % _LANE)), constant_values=-jnp.inf)  # [B, Vp]
-    x = raw
-    if flags.any_suppress:
-        x = _suppress(x, batch.suppress_ids)
-    if flags.any_penalty:
-        x = _penalise(x, batch)
-    token_ids = _sample_random(x, batch, flags.any_top_k_p) if flags.any_random else _argmax(x)
-    if flags.any_forced:
-        token_ids = jnp.where(batch.forced >= 0, batch.forced, token_ids)
+    x = _suppress(raw, batch.suppress_ids)
+    penalised = (batch.repetition_penalty != 1) | (batch.presence_penalty != 0) | (batch.frequency_penalty != 0)
+    x = lax.cond(jnp.any(penalised), lambda x: _penalise(x, batch, state), lambda x: x, x)
+    random = batch.temperature > 0
+    token_ids = lax.cond(jnp.any(random), lambda x: _sample_random(x, batch), _argmax, x)
+    token_ids = jnp.where(batch.forced >= 0, batch.forced, token_ids)
     lse = jax.nn.logsumexp(raw, axis=-1)  # [B]
     logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - lse
-    top_values, top_ids = _largest(raw, flags.num_logprobs)
-    return SamplerOutput(token_ids, logprobs, top_ids, top_values - lse[:, None])
+    top_values, top_ids = lax.cond(
+        jnp.any(batch.wants_logprobs), lambda: _largest(raw, MAX_LOGPROBS),
+        lambda: (jnp.zeros((raw.shape[0], MAX_LOGPROBS), raw.dtype), jnp.zeros((raw.shape[0], MAX_LOGPROBS), jnp.int32)))
+    written = jnp.where(batch.samples, batch.slot, state.last_token.shape[0] - 1)
+    state = state._replace(last_token=state.last_token.at[written].set(token_ids))
+    return SamplerOutput(token_ids, logprobs, top_ids, top_values - lse[:, None]), state
 
 
 def _suppress(x: jax.Array, suppress_ids: jax.Array) -> jax.Array:
@@ -173,15 +132,11 @@ def _suppress(x: jax.Array, suppress_ids: jax.Array) -> jax.Array:
     return x.at[rows, jnp.maximum(suppress_ids, 0)].min(fill)
 
 
-def _penalise(x: jax.Array, batch: SamplingBatch) -> jax.Array:
-    # x: [B, Vp], history: [B, Lh]
-    history = batch.history
-    rows = lax.broadcasted_iota(jnp.int32, history.shape, 0)
-    ids = jnp.maximum(history, 0)
-    valid = history >= 0
-    is_output = valid & (lax.broadcasted_iota(jnp.int32, history.shape, 1) >= batch.num_prompt[:, None])
-    seen = jnp.zeros(x.shape, jnp.bool_).at[rows, ids].max(valid)  # [B, Vp]
-    counts = jnp.zeros(x.shape, jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))  # [B, Vp]
+def _penalise(x: jax.Array, batch: SamplingBatch, state: SamplerState) -> jax.Array:
+    # x: [B, Vp]; the slots' counts and prompt masks: [B, V]
+    pad = ((0, 0), (0, x.shape[-1] - state.output_counts.shape[-1]))
+    counts = jnp.pad(state.output_counts[batch.slot], pad).astype(jnp.float32)
+    seen = jnp.pad(state.prompt_mask[batch.slot], pad) | (counts > 0)
     rep = batch.repetition_penalty[:, None]
     x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
     return x - batch.frequency_penalty[:, None] * counts - batch.presence_penalty[:, None] * (counts > 0)
@@ -196,14 +151,14 @@ def _argmax(x: jax.Array) -> jax.Array:
     return (j * _LANE + i).astype(jnp.int32)
 
 
-def _sample_random(x: jax.Array, batch: SamplingBatch, any_top_k_p: bool) -> jax.Array:
+def _sample_random(x: jax.Array, batch: SamplingBatch) -> jax.Array:
     # x: [B, Vp] penalised logits
     greedy = batch.temperature == 0  # [B]
     centred = x - jnp.max(x, axis=-1, keepdims=True)  # [B, Vp] <= 0, 0 at the argmax
     p = _materialise(jnp.exp(centred / jnp.where(greedy, 1.0, batch.temperature)[:, None]))  # unnormalised, max 1
-    threshold = batch.min_p
-    if any_top_k_p:
-        threshold = jnp.maximum(threshold, _top_k_p_threshold(p, batch.top_k, batch.top_p))
+    filtered = ~greedy & ((batch.top_k > 0) | (batch.top_p < 1))
+    threshold = lax.cond(jnp.any(filtered), lambda: jnp.maximum(batch.min_p, _top_k_p_threshold(
+        p, jnp.where(filtered, batch.top_k, 0), jnp.where(filtered, batch.top_p, 1.0))), lambda: batch.min_p)
     keep = jnp.where(greedy[:, None], centred == 0, p >= threshold[:, None])
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(batch.seed, batch.step)
     u = jnp.where(greedy, 0.0, jax.vmap(jax.random.uniform)(keys))  # [B] in [0, 1)
@@ -333,19 +288,3 @@ def _materialise(x: jax.Array) -> jax.Array:
 def _at(x: jax.Array, index: jax.Array) -> jax.Array:
     # x: [B, K], index: [B] -> [B], clipped into range
     return jnp.take_along_axis(x, jnp.clip(index, 0, x.shape[-1] - 1)[:, None], axis=-1)[:, 0]
-
-
-def _padded(lists: Sequence[Sequence[int]]) -> np.ndarray:
-    width = max(len(ids) for ids in lists)
-    out = np.full((len(lists), _bucket(width) if width else 0), -1, np.int32)
-    for i, ids in enumerate(lists):
-        out[i, : len(ids)] = ids
-    return out
-
-
-def _bucket(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def _logprobs_bucket(n: int) -> int:
-    return min(_bucket(n), 20) if n else 0

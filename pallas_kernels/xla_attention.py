@@ -1,0 +1,183 @@
+"""Paged attention in plain XLA for C query tokens per row (prefill rows, decode C=1).
+
+Layouts (one layer):
+  q:            [B, C, Hq, D]            C tokens per row, Hq = G * Hkv
+  k_pool/v_pool [num_pages, P, Hkv, D]   keys stored after RoPE; page 0 is the dummy page
+  block_tables: [B, W] int32             pages of each row, padded with the dummy page 0
+  kv_lens:      [B, C] int32             pool slots token c may see (its own slot index + 1:
+                                         causal); 0 for padding -> zeros
+  out:          [B, C, Hq, D] in q.dtype
+
+The keys are visited `tokens_per_step` at a time in a `fori_loop` whose trip count is the
+longest row's length, so the table width W costs nothing but the table itself: one compiled
+program serves every context length. Slots at or past a row's largest kv_len may hold anything
+(NaN included): they are masked out of the logits and zeroed in V.
+
+`new_kv` writes this step's K/V into the pools *inside* the loop body, before the read. The
+writes are idempotent (the same rows to the same slots every iteration), and they keep the
+donated pools loop-carried state: read by the loop and written after it, XLA would copy every
+pool once per layer and per step to keep the loop's operands apart from the in-place write.
+Rows of one sequence laid over several rows of the same step see each other through the pool.
+
+Quantized pools (int8 / float8_e4m3fn with per-token scales, `kv_quant`): pass `k_scales` and
+`v_scales` [num_pages, P, Hkv] float32; new K/V are quantized when written and the gathered
+tiles are dequantized before the dots.
+GQA is a grouped einsum: KV heads are never repeated.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import kv_quant
+
+_LOGITS_PER_STEP = 1 << 22  # float32 logits per loop step (16 MiB)
+_MAX_STEP_TOKENS = 256
+
+
+class NewKV(NamedTuple):
+    slots: jax.Array  # [B, C] int32 flat pool slot (page * P + offset); padding: the dummy page
+    k: jax.Array  # [B, C, Hkv, D]
+    v: jax.Array  # [B, C, Hkv, D]
+
+
+class Pools(NamedTuple):
+    k: jax.Array  # [num_pages, P, Hkv, D]
+    v: jax.Array  # [num_pages, P, Hkv, D]
+    k_scales: jax.Array | None = None  # [num_pages, P, Hkv] float32 (quantized pools only)
+    v_scales: jax.Array | None = None
+
+
+def check_paged_inputs(q_heads: int, head_dim: int, k_pool: jax.Array, v_pool: jax.Array,
+                       block_tables: jax.Array, batch: int) -> None:
+    """ValueError unless the pool, the block tables and the query heads fit together."""
+    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pool and v_pool must both be [num_blocks, BS, Hkv, D], "
+                         f"got {k_pool.shape} and {v_pool.shape}")
+    if k_pool.dtype != v_pool.dtype:
+        raise ValueError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")
+    _, _, num_kv_heads, pool_head_dim = k_pool.shape
+    if pool_head_dim != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != pool head_dim {pool_head_dim}")
+    if q_heads % num_kv_heads:
+        raise ValueError(f"query heads {q_heads} are not a multiple of kv heads {num_kv_heads}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [B={batch}, W], got {block_tables.shape}")
+    if block_tables.dtype != jnp.int32:
+        raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
+
+
+def tokens_per_step(batch: int, chunk: int, q_heads: int, page: int) -> int:
+    """Keys per loop step: at most _MAX_STEP_TOKENS, fewer when the logits would be large."""
+    tokens = min(_MAX_STEP_TOKENS, max(page, _LOGITS_PER_STEP // (batch * chunk * q_heads)))
+    return max(page, tokens // page * page)
+
+
+def _write(pools: Pools, new: NewKV) -> Pools:
+    k, v = new.k, new.v
+    if pools.k_scales is None:
+        return pools._replace(k=scatter_rows(pools.k, new.slots, k), v=scatter_rows(pools.v, new.slots, v))
+    (kq, ks), (vq, vs) = kv_quant.quantize(k, pools.k.dtype), kv_quant.quantize(v, pools.v.dtype)
+    return Pools(scatter_rows(pools.k, new.slots, kq), scatter_rows(pools.v, new.slots, vq),
+                 scatter_rows(pools.k_scales, new.slots, ks), scatter_rows(pools.v_scales, new.slots, vs))
+
+
+def scatter_rows(pool: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
+    """pool: [N0, N1, ...rest]; slots: [B, C] flat into N0*N1; rows: [B, C, ...rest].
+
+    Indexes the two leading axes (not a reshaped view), so XLA updates the buffer in place."""
+    slots = slots.reshape(-1)
+    rows = rows.reshape((-1,) + pool.shape[2:]).astype(pool.dtype)
+    return pool.at[slots // pool.shape[1], slots % pool.shape[1]].set(rows)
+
+
+def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype) -> jax.Array:
+    # pages: [B, S] -> [B, S * P, Hkv, D]
+    x = pool[pages]
+    if scales is not None:
+        x = kv_quant.dequantize(x, scales[pages], dtype)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def _attend(q, pools: Pools, block_tables, kv_lens, scale, step_tokens, new_kv: NewKV | None):
+    # q: [B, C, Hkv, G, D]; kv_lens: [B, C]
+    batch, chunk, num_kv_heads, group, head_dim = q.shape
+    page = pools.k.shape[1]
+    pages_per_step = step_tokens // page
+    # dummy-page padding to whole steps: those slots lie past every kv_len, so they are masked
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % pages_per_step)))
+    row_lens = kv_lens.max(axis=1)  # [B]: V rows at or past this may be garbage
+    num_steps = jnp.maximum(-(-row_lens.max() // step_tokens), 1)  # >= 1: the writes must happen
+    kv_dtype = q.dtype
+
+    def step_fn(step, carry):
+        pools, m, l, acc = carry  # m, l: [B, C, Hkv, G]; acc: [B, C, Hkv, G, D]
+        if new_kv is not None:
+            pools = _write(pools, new_kv)
+        pages = lax.dynamic_slice_in_dim(block_tables, step * pages_per_step, pages_per_step, axis=1)
+        k = _gather(pools.k, pools.k_scales, pages, kv_dtype)  # [B, T, Hkv, D]
+        v = _gather(pools.v, pools.v_scales, pages, kv_dtype)
+        pos = step * step_tokens + jnp.arange(step_tokens)  # [T]
+        v = jnp.where((pos[None, :] < row_lens[:, None])[:, :, None, None], v, 0)
+        s = jnp.einsum("bchgd,bthd->bchgt", q, k, preferred_element_type=jnp.float32) * scale
+        visible = (pos[None, None, :] < kv_lens[:, :, None])[:, :, None, None, :]  # [B,C,1,1,T]
+        s = jnp.where(visible, s, -jnp.inf)
+        m_next = jnp.maximum(m, s.max(axis=-1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        pv = jnp.einsum("bchgt,bthd->bchgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return pools, m_next, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
+
+    stats_shape = (batch, chunk, num_kv_heads, group)
+    carry = (pools, jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+             jnp.zeros((*stats_shape, head_dim), jnp.float32))
+    pools, _, l, acc = lax.fori_loop(0, num_steps, step_fn, carry)
+    return acc / jnp.where(l > 0, l, 1.0)[..., None], pools
+
+
+@functools.partial(jax.jit, static_argnames=["scale", "step_tokens"])
+def paged_attention(q: jax.Array, pools: Pools, block_tables: jax.Array, kv_lens: jax.Array,
+                    new_kv: NewKV | None = None, *, scale: float | None = None,
+                    step_tokens: int | None = None) -> tuple[jax.Array, Pools]:
+    """Attention of C tokens per row over their pages, writing `new_kv` first if given.
+
+    Args:
+      q: [B, C, Hq, D] queries (rotated).
+      pools: the layer's pools, [num_pages, P, Hkv, D] each (plus scales when quantized).
+      block_tables: [B, W] int32 pages, padded with the dummy page 0.
+      kv_lens: [B, C] int32, slots each token sees (0: padding token, zero output).
+      new_kv: this step's K/V and their slots, written into the pools before any read.
+      scale: softmax scale, default 1/sqrt(D).
+      step_tokens: keys per loop step (a multiple of P); default from `tokens_per_step`.
+
+    Returns:
+      (out [B, C, Hq, D] in q.dtype, the pools after the write).
+    """
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, C, Hq, D], got {q.shape}")
+    batch, chunk, q_heads, head_dim = q.shape
+    check_paged_inputs(q_heads, head_dim, pools.k, pools.v, block_tables, batch)
+    kv_quant.check_scales(pools.k, pools.k_scales, pools.v_scales)
+    if kv_lens.shape != (batch, chunk) or kv_lens.dtype != jnp.int32:
+        raise ValueError(f"kv_lens must be int32 [B, C]={batch, chunk}, "
+                         f"got {kv_lens.dtype}{list(kv_lens.shape)}")
+    page = pools.k.shape[1]
+    step_tokens = step_tokens or tokens_per_step(batch, chunk, q_heads, page)
+    if step_tokens % page:
+        raise ValueError(f"step_tokens {step_tokens} must be a multiple of the page size {page}")
+    num_kv_heads = pools.k.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    q_grouped = q.reshape(batch, chunk, num_kv_heads, q_heads // num_kv_heads, head_dim)
+    out, pools = _attend(q_grouped, pools, block_tables, kv_lens, scale, step_tokens, new_kv)
+    return out.reshape(q.shape).astype(q.dtype), pools
+
+
+def write_kv(pools: Pools, new_kv: NewKV) -> Pools:
+    """This step's K/V into the pools (quantized when they are), for paths that read them later."""
+    return _write(pools, new_kv)

@@ -1,0 +1,98 @@
+"""Host side of the sampler: one SamplingRow per sequence, packed into a SamplingBatch's arrays.
+
+Every array has a fixed shape per batch size ([B], suppress ids [B, S] with a fixed S), so the
+compiled sampler never changes with the options requests carry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from zipage_jax.layers.sampler import SamplingBatch
+from zipage_jax.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One sequence's sampling inputs for this step, as the engine knows them on the host."""
+
+    params: SamplingParams
+    seed: int  # params.seed, or a seed the engine drew once for this request (reduced mod 2**32)
+    step: int = 0  # output tokens generated so far: the random stream's position
+    suppress_ids: Sequence[int] = ()  # ids banned this step: EOS and stop ids while min_tokens is active
+    forced_id: int = -1  # teacher forcing: the token this step outputs whatever is sampled; -1 = none
+    slot: int = 0  # the sequence's state slot
+    num_prompt_tokens: int = 0
+    reset: bool = False  # the sequence's first step since admission: its slot is cleared first
+    samples: bool = True  # this row's logits give the sequence's next token
+
+
+class SamplingArrays:
+    """Numpy arrays of one SamplingBatch, filled row by row; untouched rows are padding
+    (greedy, no penalties, the padding state slot, not sampling)."""
+
+    def __init__(self, batch_size: int, suppress_width: int, pad_slot: int):
+        b = batch_size
+        self.temperature = np.zeros(b, np.float32)
+        self.top_k = np.zeros(b, np.int32)
+        self.top_p = np.ones(b, np.float32)
+        self.min_p = np.zeros(b, np.float32)
+        self.repetition_penalty = np.ones(b, np.float32)
+        self.presence_penalty = np.zeros(b, np.float32)
+        self.frequency_penalty = np.zeros(b, np.float32)
+        self.seed = np.zeros(b, np.uint32)
+        self.step = np.zeros(b, np.int32)
+        self.suppress_ids = np.full((b, suppress_width), -1, np.int32)
+        self.forced = np.full(b, -1, np.int32)
+        self.wants_logprobs = np.zeros(b, bool)
+        self.slot = np.full(b, pad_slot, np.int32)
+        self.num_prompt = np.zeros(b, np.int32)
+        self.reset = np.zeros(b, bool)
+        self.samples = np.zeros(b, bool)
+
+    @staticmethod
+    def check(row: SamplingRow, suppress_width: int) -> None:
+        """ValueError for a row the arrays cannot hold (validation should have refused it)."""
+        if len(row.suppress_ids) > suppress_width:
+            raise ValueError(f"{len(row.suppress_ids)} suppressed token ids exceed the sampler's {suppress_width}")
+        for name in ("step", "forced_id", "slot", "num_prompt_tokens"):
+            value = getattr(row, name)
+            if not -1 <= value < 2**31:
+                raise ValueError(f"sampling row {name}={value} does not fit in int32")
+
+    def set(self, i: int, row: SamplingRow, vocab_size: int) -> None:
+        """Row i from `row` (checked with `check`)."""
+        sp = row.params
+        if not sp.greedy:
+            self.temperature[i], self.min_p[i], self.top_p[i] = sp.temperature, sp.min_p, sp.top_p
+            self.top_k[i] = min(max(sp.top_k, 0), vocab_size)
+        self.repetition_penalty[i] = sp.repetition_penalty
+        self.presence_penalty[i] = sp.presence_penalty
+        self.frequency_penalty[i] = sp.frequency_penalty
+        self.seed[i] = row.seed % 2**32
+        self.step[i] = row.step
+        self.suppress_ids[i, :len(row.suppress_ids)] = row.suppress_ids
+        self.forced[i] = row.forced_id
+        self.wants_logprobs[i] = sp.logprobs is not None
+        self.slot[i] = row.slot
+        self.num_prompt[i] = row.num_prompt_tokens
+        self.reset[i] = row.reset
+        self.samples[i] = row.samples
+
+    def batch(self) -> SamplingBatch:
+        return SamplingBatch(**vars(self))
+
+
+def build(rows: Sequence[SamplingRow], batch_size: int, *, suppress_width: int, pad_slot: int,
+          vocab_size: int) -> SamplingBatch:
+    """A SamplingBatch of `rows` padded to `batch_size` (for tests and one-off calls)."""
+    if not 0 < len(rows) <= batch_size:
+        raise ValueError(f"need 1..batch_size={batch_size} rows, got {len(rows)}")
+    arrays = SamplingArrays(batch_size, suppress_width, pad_slot)
+    for i, row in enumerate(rows):
+        arrays.check(row, suppress_width)
+        arrays.set(i, row, vocab_size)
+    return arrays.batch()
