@@ -49,7 +49,7 @@ _LOG2E = math.log2(math.e)
 def paged_decode_kernel(
     # inputs
     q_ref,  # [block_h, D]
-    k_pages_ref,  # [num_pages, page_size, D]  (one kv head, strided view of the pool)
+    k_pages_ref,  # [num_pages, page_size, D]  (one kv head, strided view; q.dtype or quantized)
     v_pages_ref,  # [num_pages, page_size, D]
     block_tables_ref,  # [pages_per_split]
     lengths_ref,  # [1]

@@ -167,8 +167,12 @@ def quantized_case(seed, pool_dtype, q_dtype, block_size, group, width, lengths)
     rng = np.random.default_rng(seed)
     k_pool, v_pool, tables, ks, vs = make_paged_kv(rng, jnp.float32, block_size, width, lengths)
     q = jnp.asarray(rng.standard_normal((len(lengths), group * NUM_KV_HEADS, HEAD_DIM)), q_dtype)
-    kq, k_scales = quantize(k_pool, pool_dtype)
-    vq, v_scales = quantize(v_pool, pool_dtype)
+    unused = np.isnan(np.asarray(k_pool)).any(axis=-1)  # [num_blocks, BS, Hkv]
+    garbage = jnp.asarray(-128 if pool_dtype == jnp.int8 else np.nan, pool_dtype)
+    (kq, k_scales), (vq, v_scales) = [
+        (jnp.where(unused[..., None], garbage, x_q), jnp.where(unused, np.nan, x_scale))
+        for x_q, x_scale in (quantize(jnp.nan_to_num(pool), pool_dtype)
+                             for pool in (k_pool, v_pool))]
     q64 = np.asarray(q, np.float64)
     scale = HEAD_DIM**-0.5
     expected, bound = [], []
@@ -233,8 +237,9 @@ def test_kernel_quantized_pool(pool_dtype, q_dtype, block_size, group, block_k):
     assert (err <= bound + TOLERANCE[q_dtype]).all(), (err - bound).max()
 
 
-@pytest.mark.parametrize("pool_dtype, head_dim, block_size",
-                         itertools.product([jnp.int8, jnp.float8_e4m3fn], [64, 128], [16, 256]))
+@pytest.mark.parametrize(
+    "pool_dtype, head_dim, block_size",
+    list(itertools.product([jnp.int8, jnp.float8_e4m3fn], [64, 128], [16, 256])))
 def test_quantized_kernel_lowers_for_triton(pool_dtype, head_dim, block_size):
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
                                          num_cores=132)
