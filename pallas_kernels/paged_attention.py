@@ -6,9 +6,11 @@ Layouts (one layer):
   block_tables:   [B, W] int32              physical block ids, padded with the dummy block 0
   context_lens:   [B] int32                 valid slots of each row; 0 for padding rows
   out:            [B, Hq, D] in q.dtype     (zeros for rows with context_lens == 0)
+Quantized pools (pallas_kernels/kv_quant.py) are int8 or float8_e4m3fn and come with
+  k_scales, v_scales: [num_blocks, BS, Hkv] float32, one per token per kv head.
 
-Slots at or past context_lens may hold anything (NaN included): they are masked out of the
-logits and zeroed in V.
+Slots at or past context_lens may hold anything (NaN included, scales too): they are masked
+out of the logits and zeroed in V.
 
 The kernel runs on a grid (B, Hkv, k_splits). Each program owns one kv head of one row and
 one contiguous share of the row's pages, loops over them block_k tokens at a time with a
@@ -17,6 +19,9 @@ combines. The G query heads that share a kv head form the rows of one [block_h, 
 padded to block_h >= 16 rows for the Triton dot. Blocks larger than block_k are split into
 block_k-token pages by a free reshape of the pool, so every gathered tile is
 [block_k, D] and every tile size is a power of two.
+A quantized tile is converted to q's dtype for the dots and never scaled itself: the K scales
+multiply the logit columns and the V scales the probabilities before the P.V dot, so no
+dequantized pool is built in HBM.
 
 `paged_decode_attention_reference` is the plain-XLA path the engine uses where Pallas is not
 available (CPU); it is `xla_attention.paged_attention` with one query token.
@@ -33,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.kv_quant import check_kv_scales
 from pallas_kernels.xla_attention import Pools, check_paged_inputs, paged_attention
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -43,18 +49,22 @@ _LOG2E = math.log2(math.e)
 def paged_decode_kernel(
     # inputs
     q_ref,  # [block_h, D]
-    k_pages_ref,  # [num_pages, page_size, D]  (one kv head, strided view of the pool)
+    k_pages_ref,  # [num_pages, page_size, D]  (one kv head, strided view; q.dtype or quantized)
     v_pages_ref,  # [num_pages, page_size, D]
     block_tables_ref,  # [pages_per_split]
     lengths_ref,  # [1]
-    # outputs
-    o_ref,  # [block_h, D] float32, unnormalised
-    l_ref,  # [block_h] float32, softmax denominator
-    m_ref,  # [block_h] float32, running max of the base-2 logits
-    *,
+    *refs,  # quantized: k_scales_ref, v_scales_ref, then the outputs; else the outputs
     pages_per_step: int,
     scale_log2: float,
+    quantized: bool,
 ):
+    # k_scales_ref, v_scales_ref: [num_pages, page_size] float32 (one kv head)
+    # outputs: o_ref [block_h, D] float32, unnormalised; l_ref [block_h] float32, softmax
+    # denominator; m_ref [block_h] float32, running max of the base-2 logits
+    if quantized:
+        k_scales_ref, v_scales_ref, o_ref, l_ref, m_ref = refs
+    else:
+        o_ref, l_ref, m_ref = refs
     block_h, head_dim = q_ref.shape
     page_size = k_pages_ref.shape[1]
     pages_per_split = block_tables_ref.shape[0]
@@ -68,17 +78,23 @@ def paged_decode_kernel(
     def body(step, carry):
         o_prev, m_prev, l_prev = carry
         pages = block_tables_ref[pl.ds(step * pages_per_step, pages_per_step)]
-        k = k_pages_ref[pages].reshape(block_k, head_dim)
-        v = v_pages_ref[pages].reshape(block_k, head_dim)
+        k = k_pages_ref[pages].reshape(block_k, head_dim).astype(q.dtype)
+        v = v_pages_ref[pages].reshape(block_k, head_dim).astype(q.dtype)
         valid = split_start + step * block_k + jnp.arange(block_k) < length  # [block_k]
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # slots past length may be NaN
-        logits = dot(q, k, (((1,), (1,)), ((), ()))) * scale_log2  # [block_h, block_k]
+        logits = dot(q, k, (((1,), (1,)), ((), ())))  # [block_h, block_k]
+        if quantized:  # q.k = (q.k_q) s_k
+            logits = logits * (k_scales_ref[pages].reshape(block_k) * scale_log2)[None, :]
+        else:
+            logits = logits * scale_log2
         logits = jnp.where(valid[None, :], logits, DEFAULT_MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=1))
         alpha = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(logits - m_next[:, None])
         l_next = alpha * l_prev + p.sum(axis=1)
-        o_next = alpha[:, None] * o_prev + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+        if quantized:  # p (s_v V_q) = (p s_v) V_q; masked: scales past length may be NaN
+            p = p * jnp.where(valid, v_scales_ref[pages].reshape(block_k), 0.0)[None, :]
+        o_next = alpha[:, None] * o_prev + dot(p.astype(q.dtype), v, (((1,), (0,)), ((), ())))
         return o_next, m_next, l_next
 
     split_len = jnp.clip(length - split_start, 0, pages_per_split * page_size)
@@ -95,8 +111,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, *, scale, block_h, block_k,
-                  k_splits, num_warps, num_stages, interpret):
+def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, *, scale, block_h,
+                  block_k, k_splits, num_warps, num_stages, interpret):
+    # scales: () or (k_scales, v_scales), each [num_blocks, BS, Hkv] float32
     batch, q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_pool.shape
     group = q_heads // num_kv_heads
@@ -106,6 +123,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, *, scale, block
     splits_per_block = block_size // page_size
     k_pages = k_pool.reshape(num_blocks * splits_per_block, page_size, num_kv_heads, head_dim)
     v_pages = v_pool.reshape(k_pages.shape)
+    scale_pages = [s.reshape(k_pages.shape[:3]) for s in scales]  # the same page split
     page_tables = (block_tables[:, :, None] * splits_per_block
                    + jnp.arange(splits_per_block, dtype=jnp.int32)).reshape(batch, -1)
     pages_per_step = min(block_k // page_size, _next_pow2(page_tables.shape[1]))
@@ -123,9 +141,10 @@ def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, *, scale, block
     q_tile = jnp.pad(q_tile, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
 
     kernel = functools.partial(paged_decode_kernel, pages_per_step=pages_per_step,
-                               scale_log2=scale * _LOG2E)
+                               scale_log2=scale * _LOG2E, quantized=bool(scales))
     pool_spec = pl.BlockSpec((k_pages.shape[0], page_size, None, head_dim),
                              lambda b, h, s: (0, 0, h, 0))
+    scales_spec = pl.BlockSpec((k_pages.shape[0], page_size, None), lambda b, h, s: (0, 0, h))
     stats_shape = (batch, k_splits, num_kv_heads, block_h)
     o, l, m = pl.pallas_call(
         kernel,
@@ -136,6 +155,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, *, scale, block
             pool_spec,  # v_pages
             pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0)),  # tables
             pl.BlockSpec((1,), lambda b, h, s: (b,)),  # context_lens
+            *[scales_spec] * len(scale_pages),  # k_scales, v_scales (quantized pools)
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_h, head_dim),
@@ -151,7 +171,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, *, scale, block
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"paged_decode_{block_h=}_{block_k=}_{k_splits=}",
-    )(q_tile, k_pages, v_pages, page_tables, context_lens)
+    )(q_tile, k_pages, v_pages, page_tables, context_lens, *scale_pages)
 
     # Combine the splits; an empty split has l = 0, m = f32 min and drops out.
     m_all = m.max(axis=1, keepdims=True)
@@ -166,6 +186,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, *, scale, block
                                              "num_warps", "num_stages", "interpret"])
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            block_tables: jax.Array, context_lens: jax.Array, *,
+                           k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
                            scale: float | None = None, interpret: bool = False,
                            block_h: int = 16, block_k: int = 128, k_splits: int | None = None,
                            num_warps: int = 4, num_stages: int = 2) -> jax.Array:
@@ -173,9 +194,12 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
 
     Args:
       q: [B, Hq, D] queries (rotated).
-      k_pool, v_pool: [num_blocks, BS, Hkv, D] one layer's pool, BS a power of two >= 16.
+      k_pool, v_pool: [num_blocks, BS, Hkv, D] one layer's pool, BS a power of two >= 16;
+        q's dtype, or int8 / float8_e4m3fn with scales (pallas_kernels/kv_quant.py).
       block_tables: [B, W] int32, padded with the dummy block 0.
       context_lens: [B] int32, valid slots per row (0: padding row, zero output).
+      k_scales, v_scales: [num_blocks, BS, Hkv] float32, the quantized pool's per-token,
+        per-kv-head scales (value = pool * scale); both or neither.
       scale: softmax scale, default 1/sqrt(D).
       interpret: run the kernel in the Pallas interpreter (needed on CPU).
       block_h: query rows per tile (power of two >= 16; raised to cover the group G).
@@ -190,7 +214,10 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         raise ValueError(f"q must be [B, Hq, D], got {q.shape}")
     batch, q_heads, head_dim = q.shape
     check_paged_inputs(q_heads, head_dim, k_pool, v_pool, block_tables, batch)
-    if q.dtype != k_pool.dtype:
+    quantized = check_kv_scales(k_pool, k_scales, v_scales)
+    if quantized and q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"q dtype must be float32, bfloat16 or float16, got {q.dtype}")
+    if not quantized and q.dtype != k_pool.dtype:
         raise ValueError(f"q dtype {q.dtype} != pool dtype {k_pool.dtype} (Triton dot)")
     if context_lens.shape != (batch,) or context_lens.dtype != jnp.int32:
         raise ValueError(f"context_lens must be int32 [B={batch}], "
@@ -203,7 +230,8 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         raise ValueError(f"k_splits must be >= 1, got {k_splits}")
     scale = head_dim**-0.5 if scale is None else scale
     block_h = max(block_h, _next_pow2(q_heads // k_pool.shape[2]))
-    return _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scale=scale,
+    scales = (k_scales, v_scales) if quantized else ()
+    return _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, scale=scale,
                          block_h=block_h, block_k=block_k, k_splits=k_splits,
                          num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
@@ -219,5 +247,3 @@ def paged_decode_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: ja
     out, _ = paged_attention(q[:, None], Pools(k_pool, v_pool), block_tables, context_lens[:, None], scale=scale)
     return out[:, 0]
 
-
-paged_decode_attention_xla = paged_decode_attention_reference  # the engine's CPU path

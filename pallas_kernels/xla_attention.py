@@ -163,7 +163,7 @@ def paged_attention(q: jax.Array, pools: Pools, block_tables: jax.Array, kv_lens
         raise ValueError(f"q must be [B, C, Hq, D], got {q.shape}")
     batch, chunk, q_heads, head_dim = q.shape
     check_paged_inputs(q_heads, head_dim, pools.k, pools.v, block_tables, batch)
-    kv_quant.check_scales(pools.k, pools.k_scales, pools.v_scales)
+    kv_quant.check_kv_scales(pools.k, pools.k_scales, pools.v_scales)
     if kv_lens.shape != (batch, chunk) or kv_lens.dtype != jnp.int32:
         raise ValueError(f"kv_lens must be int32 [B, C]={batch, chunk}, "
                          f"got {kv_lens.dtype}{list(kv_lens.shape)}")

@@ -1,11 +1,17 @@
 """Paged decode attention: the Pallas kernel (interpret mode) and the XLA path."""
 
+import functools
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_xla
+from pallas_kernels.kv_quant import dequantize, quantize
+from pallas_kernels.paged_attention import (paged_decode_attention,
+                                            paged_decode_attention_reference,
+                                            paged_decode_attention_reference)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -113,7 +119,7 @@ def test_xla_path_matches_naive(dtype, block_size, group):
     width = 4 if block_size < 256 else 2
     args, expected = make_case(3, dtype, block_size, group, width,
                                ragged_lengths(block_size, width))
-    out = paged_decode_attention_xla(*args)
+    out = paged_decode_attention_reference(*args)
     assert out.shape == args[0].shape and out.dtype == dtype
     np.testing.assert_allclose(np.asarray(out, np.float64), expected,
                                atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -123,7 +129,7 @@ def test_xla_path_matches_naive(dtype, block_size, group):
 def test_kernel_matches_xla_path():
     args, _ = make_case(4, jnp.bfloat16, 64, 3, 4, [0, 7, 64, 130, 256, 200])
     out = paged_decode_attention(*args, interpret=True, block_k=32)
-    ref = paged_decode_attention_xla(*args)
+    ref = paged_decode_attention_reference(*args)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=2e-2, rtol=2e-2)
 
@@ -147,6 +153,129 @@ def test_kernel_lowers_for_triton(dtype, head_dim, block_size, num_kv_heads, q_h
         lowered = paged_decode_attention.trace(q, pool, pool, tables, lens, **tuning).lower(
             lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+def quantized_case(seed, pool_dtype, q_dtype, block_size, group, width, lengths):
+    """A quantized pool (unused slots: NaN scales, NaN e4m3 values) and a bound on how far the
+    attention over it may lie from float64 attention over the unquantized K/V.
+
+    Returns (q, k_pool, v_pool, tables, lens), (k_scales, v_scales), expected [B, Hq, D], and
+    bound [B, Hq, D]. The bound is derived from the round-trip bound |k - k~| <= dk per
+    element: each logit moves by at most E = scale * sum_d |q_d| dk_d, so the probabilities
+    move by at most exp(2E) - 1 in L1, and the output by (exp(2E) - 1) max|v| + max dv.
+    """
+    rng = np.random.default_rng(seed)
+    k_pool, v_pool, tables, ks, vs = make_paged_kv(rng, jnp.float32, block_size, width, lengths)
+    q = jnp.asarray(rng.standard_normal((len(lengths), group * NUM_KV_HEADS, HEAD_DIM)), q_dtype)
+    unused = np.isnan(np.asarray(k_pool)).any(axis=-1)  # [num_blocks, BS, Hkv]
+    garbage = jnp.asarray(-128 if pool_dtype == jnp.int8 else np.nan, pool_dtype)
+    (kq, k_scales), (vq, v_scales) = [
+        (jnp.where(unused[..., None], garbage, x_q), jnp.where(unused, np.nan, x_scale))
+        for x_q, x_scale in (quantize(jnp.nan_to_num(pool), pool_dtype)
+                             for pool in (k_pool, v_pool))]
+    q64 = np.asarray(q, np.float64)
+    scale = HEAD_DIM**-0.5
+    expected, bound = [], []
+    for b in range(len(lengths)):
+        qg = q64[b].reshape(NUM_KV_HEADS, group, HEAD_DIM)
+        expected.append(naive_attention(q64[b], ks[b], vs[b], scale))
+        if not lengths[b]:
+            bound.append(np.zeros_like(q64[b]))
+            continue
+        dk, dv = (round_trip_bound(x, pool_dtype) for x in (ks[b], vs[b]))  # [L, Hkv, D]
+        logit_err = scale * np.einsum("hgd,lhd->hgl", np.abs(qg), dk).max(axis=-1)  # [Hkv, G]
+        v_max, dv_max = np.abs(vs[b]).max(axis=0), dv.max(axis=0)  # [Hkv, D]
+        row = np.expm1(2 * logit_err)[..., None] * v_max[:, None] + dv_max[:, None]
+        bound.append(row.reshape(q64[b].shape))
+    return ((q, kq, vq, tables, jnp.asarray(lengths, jnp.int32)), (k_scales, v_scales),
+            np.stack(expected), np.stack(bound))
+
+
+def round_trip_bound(x, pool_dtype):
+    # x: [L, Hkv, D] float64; the per-element quantization error bound (tests/test_kv_quant.py)
+    amax = np.abs(x).max(axis=-1, keepdims=True)
+    if pool_dtype == jnp.int8:
+        return np.broadcast_to(amax / 254, x.shape)
+    return np.maximum(2.0**-4 * np.abs(x), 2.0**-10 * amax / 448)
+
+
+QUANT_CASES = [  # pool dtype, q dtype, block size, group, block_k
+    (jnp.int8, jnp.float32, 16, 1, 128),
+    (jnp.int8, jnp.bfloat16, 64, 3, 16),  # scales split with the pool into 16-token pages
+    (jnp.float8_e4m3fn, jnp.bfloat16, 16, 4, 128),
+    (jnp.float8_e4m3fn, jnp.float32, 256, 3, 128),  # 256-token blocks: two 128-token pages
+    (jnp.int8, jnp.bfloat16, 256, 4, 128),
+    (jnp.float8_e4m3fn, jnp.bfloat16, 64, 1, 128),
+]
+QUANT_GRID = [pytest.param(*case, marks=pytest.mark.slow)
+              for case in itertools.product([jnp.int8, jnp.float8_e4m3fn],
+                                            [jnp.float32, jnp.bfloat16], [16, 64, 256], [1, 3, 4],
+                                            [16, 128])
+              if case not in QUANT_CASES]
+
+
+@pytest.mark.parametrize("pool_dtype, q_dtype, block_size, group, block_k",
+                         QUANT_CASES + QUANT_GRID)
+def test_kernel_quantized_pool(pool_dtype, q_dtype, block_size, group, block_k):
+    width = 4 if block_size < 256 else 2
+    args, (k_scales, v_scales), expected, bound = quantized_case(
+        6, pool_dtype, q_dtype, block_size, group, width, ragged_lengths(block_size, width))
+    q, kq, vq, tables, lens = args
+    out = paged_decode_attention(*args, k_scales=k_scales, v_scales=v_scales, interpret=True,
+                                 block_k=block_k)
+    assert out.shape == q.shape and out.dtype == q_dtype
+    out64 = np.asarray(out, np.float64)
+    assert np.isfinite(out64).all()
+    np.testing.assert_array_equal(out64[0], 0.0)  # padding row
+    # tight: the XLA path over the dequantized pool sees the same values
+    ref = paged_decode_attention_reference(q, dequantize(kq, k_scales, q_dtype),
+                                           dequantize(vq, v_scales, q_dtype), tables, lens)
+    np.testing.assert_allclose(out64, np.asarray(ref, np.float64),
+                               atol=TOLERANCE[q_dtype], rtol=TOLERANCE[q_dtype])
+    # loose: within the quantization error of attention over the unquantized K/V
+    err = np.abs(out64 - expected)
+    assert (err <= bound + TOLERANCE[q_dtype]).all(), (err - bound).max()
+
+
+@pytest.mark.parametrize(
+    "pool_dtype, head_dim, block_size",
+    list(itertools.product([jnp.int8, jnp.float8_e4m3fn], [64, 128], [16, 256])))
+def test_quantized_kernel_lowers_for_triton(pool_dtype, head_dim, block_size):
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
+                                         num_cores=132)
+    batch, width, num_kv_heads, q_heads = 8, 4, 4, 12
+    q = jax.ShapeDtypeStruct((batch, q_heads, head_dim), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((1 + batch * width, block_size, num_kv_heads, head_dim),
+                                pool_dtype)
+    scales = jax.ShapeDtypeStruct(pool.shape[:3], jnp.float32)
+    tables = jax.ShapeDtypeStruct((batch, width), jnp.int32)
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        lowered = paged_decode_attention.trace(q, pool, pool, tables, lens, k_scales=scales,
+                                               v_scales=scales).lower(
+                                                   lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+
+
+def test_quantized_bad_inputs_raise():
+    (q, kq, vq, tables, lens), (ks, vs), _, _ = quantized_case(7, jnp.int8, jnp.float32, 16, 2,
+                                                               2, [3, 4])
+    call = functools.partial(paged_decode_attention, interpret=True)
+    with pytest.raises(ValueError, match="together"):
+        call(q, kq, vq, tables, lens, k_scales=ks)
+    with pytest.raises(ValueError, match="needs k_scales"):
+        call(q, kq, vq, tables, lens)
+    with pytest.raises(ValueError, match="need an int8 or float8_e4m3fn pool"):
+        call(q, kq.astype(jnp.float32), vq.astype(jnp.float32), tables, lens, k_scales=ks,
+             v_scales=vs)
+    with pytest.raises(ValueError, match="v_scales must be float32"):
+        call(q, kq, vq, tables, lens, k_scales=ks, v_scales=vs[:, :8])
+    with pytest.raises(ValueError, match="k_scales must be float32"):
+        call(q, kq, vq, tables, lens, k_scales=ks.astype(jnp.bfloat16), v_scales=vs)
+    with pytest.raises(ValueError, match="q dtype must be"):
+        call(q.astype(jnp.int8), kq, vq, tables, lens, k_scales=ks, v_scales=vs)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        call(q, kq, vq.astype(jnp.float8_e4m3fn), tables, lens, k_scales=ks, v_scales=vs)
 
 
 def test_bad_inputs_raise():

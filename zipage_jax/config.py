@@ -6,10 +6,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from pallas_kernels.kv_quant import KV_CACHE_DTYPES
 from zipage_jax.compress.policies import DEFAULT_POLICY, POLICIES, PolicyOptions, get_policy
 
 Redundancy = Literal["none", "lightning", "raw"]
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import kv_quant
 from zipage_jax.compress.policies import POLICIES, compress_rows
 from zipage_jax.compress.step import LayerPools, compress
 from zipage_jax.config import CompressionConfig, EngineConfig
@@ -189,7 +190,7 @@ class ModelRunner:
         self.page = xla_page_size(bs)
         self.suppress_width = bucket(MAX_STOP_TOKEN_IDS + len(eos_token_ids))
         self.pad_slot = config.max_num_seqs  # the sampler state's padding row
-        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, loaded.model.dtype)
+        kv_dtype = kv_quant.kv_storage_dtype(config.kv_cache_dtype, loaded.model.dtype)
         make_kv = functools.partial(
             KVState.zeros, num_layers=mc.num_layers, num_blocks=num_blocks, block_size=bs,
             num_kv_heads=mc.num_kv_heads, num_heads=mc.num_heads, head_dim=mc.head_dim,
@@ -409,8 +410,3 @@ class _InputArrays:
         return StepInputs(self.tokens, self.positions, self.slots, self.query_index, self.block_tables,
                           self.kv_lens, self.last_index)
 
-
-def kv_storage_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
-    """The pool's element type for an EngineConfig.kv_cache_dtype."""
-    return {"auto": jnp.dtype(model_dtype), "int8": jnp.dtype(jnp.int8),
-            "fp8": jnp.dtype(jnp.float8_e4m3fn)}[kv_cache_dtype]

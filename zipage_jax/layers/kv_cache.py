@@ -7,6 +7,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_quant
+
 
 class KVState(NamedTuple):
     k: tuple[jax.Array, ...]  # per layer [num_blocks, BS, Hkv, D] storage dtype, keys after RoPE
@@ -24,7 +26,7 @@ class KVState(NamedTuple):
         float8 pools get per-token scales."""
         kv_dtype = jnp.dtype(kv_dtype or dtype)
         pool = (num_blocks, block_size, num_kv_heads, head_dim)
-        quantized = kv_dtype in (jnp.int8, jnp.float8_e4m3fn)
+        quantized = kv_quant.is_quantized(kv_dtype)
         per_token = lambda: tuple(jnp.zeros(pool[:3], jnp.float32) for _ in range(num_layers))  # noqa: E731
         return cls(
             k=tuple(jnp.zeros(pool, kv_dtype) for _ in range(num_layers)),
