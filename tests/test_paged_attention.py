@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kv_quant import dequantize, quantize
-from pallas_kernels.paged_attention import (paged_decode_attention,
-                                            paged_decode_attention_reference,
-                                            paged_decode_attention_reference)
+from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

@@ -112,9 +112,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         rows = self.prefill_row_size
-        if rows < 1 or rows & (rows - 1) or rows > self.max_num_batched_tokens:
-            raise ValueError(f"prefill_row_size must be a power of two in [1, max_num_batched_tokens="
-                             f"{self.max_num_batched_tokens}], got {rows}")
+        if not isinstance(rows, int) or rows < 1 or rows & (rows - 1):
+            raise ValueError(f"prefill_row_size must be a power of two >= 1, got {rows!r}")
         _positive("max_compress_seqs", self.max_compress_seqs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
 
@@ -125,6 +124,11 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**options)
+
+    @property
+    def row_size(self) -> int:
+        """Tokens per prefill row: prefill_row_size, or less when a step holds fewer tokens."""
+        return min(self.prefill_row_size, 1 << (self.max_num_batched_tokens.bit_length() - 1))
 
     def compression(self) -> CompressionConfig:
         """The engine-wide scoring options: every CompressionConfig field but the block size

@@ -6,19 +6,22 @@ import itertools
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
+from zipage_jax.compress.policies import num_recent
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.block_manager import BlockManager
 from zipage_jax.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from zipage_jax.engine.runner import ModelRunner, StepResult
-from zipage_jax.engine.scheduler import Scheduler
+from zipage_jax.engine.runner import ModelRunner, PendingBatch, StepResult
+from zipage_jax.engine.sampling_batch import SamplingRow
+from zipage_jax.engine.scheduler import Chunk, Scheduler
 from zipage_jax.engine.sequence import Sequence
 from zipage_jax.engine.stop_checker import StopChecker
-from zipage_jax.layers.sampler import SamplingRow
 from zipage_jax.models.loading import LoadedModel, load_model
 from zipage_jax.models.param_cache import default_cache_dir
 from zipage_jax.sampling_params import SamplingParams
@@ -37,6 +40,7 @@ class Request:
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
     stop_reasons: list[str | int | None] = field(default_factory=list)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -65,6 +69,17 @@ class EngineStats:
     decode_seconds: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    num_compiles: int = 0  # programs compiled since the engine started (warm-up included)
+
+
+@dataclass
+class _InFlight:
+    """A dispatched step whose tokens the host has not read yet."""
+
+    batches: list[PendingBatch]
+    dispatched_at: float
+    num_prefill: int
+    num_decode: int
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -103,16 +118,37 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   num_query_slots=num_slots, max_compress_seqs=config.max_compress_seqs)
-        self.runner = ModelRunner(self.loaded, config, num_blocks=num_blocks, num_query_slots=num_slots)
+                                   num_query_slots=num_slots, max_compress_seqs=config.max_compress_seqs,
+                                   prefill_row_size=config.row_size)
         eos = mc.eos_token_ids or ()
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(sorted(set(eos) | ({tok_eos} if tok_eos is not None else set())))
+        self.special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
+        self.runner = ModelRunner(self.loaded, config, num_blocks=num_blocks, num_query_slots=num_slots,
+                                  eos_token_ids=self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(num_kv_blocks=num_blocks - 1, num_query_slots=num_slots)
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._last_log = time.monotonic()
+        self._in_flight: deque[_InFlight] = deque()
+        self._last_fetch = time.perf_counter()
+        if config.warmup:
+            self.warmup()
+
+    def warmup(self, progress: bool = True) -> int:
+        """Compiles every step shape the configuration can reach (persistent cache: a restart
+        loads them). Returns the number of programs compiled now."""
+        grid = self.runner.step_grid()
+        before = self.runner.num_compiles
+        start = time.perf_counter()
+        for _, _, compile_step in tqdm(grid, desc="Compiling", unit="program", disable=not progress,
+                                       dynamic_ncols=True):
+            compile_step()
+        compiled = self.runner.num_compiles - before
+        logger.info("warm-up: %d programs ready (%d compiled) in %.1f s", len(grid), compiled,
+                    time.perf_counter() - start)
+        return compiled
 
     # -- requests -----------------------------------------------------------------------
 
@@ -135,10 +171,11 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(list(token_ids), self.config.kvcache_block_size, budget_blocks=budget, params=params,
                            request_id=request_id, index=i, parent=seqs[0] if seqs else None,
-                           seed=self._seed(params, i), query_cache_len=self.config.query_cache_len)
+                           seed=self._seed(params, i), query_cache_len=self.config.query_cache_len,
+                           max_len=min(len(token_ids) + params.max_tokens, limit))
             seq.metrics.arrival_time = time.monotonic()
             seqs.append(seq)
-            checkers.append(StopChecker(self.tokenizer, params, self.eos_token_ids, token_ids))
+            checkers.append(StopChecker(self.tokenizer, params, self.eos_token_ids, token_ids, self.special_ids))
         request = Request(request_id, text, list(token_ids), params, seqs, checkers,
                           logprobs=[[] for _ in seqs], finish_reasons=[None] * len(seqs),
                           stop_reasons=[None] * len(seqs))
@@ -172,10 +209,12 @@ class LLMEngine:
         else:
             m = -(-params.kv_budget // bs)
         if m is not None:
-            protected = self.config.query_cache_len + self.config.sink_len
+            policy = params.eviction_policy or self.config.eviction_policy
+            options = self.config.policy_options(policy)
+            protected = options.sinks + num_recent(options, m * bs, self.config.query_cache_len)
             if m * bs < protected:
-                raise ValueError(f"kv_budget of {m * bs} tokens cannot hold the {protected} protected tokens "
-                                 "(query_cache_len + sink_len)")
+                raise ValueError(f"kv_budget of {m * bs} tokens cannot hold the {protected} tokens policy "
+                                 f"{policy!r} protects (sinks and recent window)")
             if m + 1 > self.block_manager.num_usable_blocks:
                 raise ValueError(f"kv_budget of {m} blocks does not fit in the KV pool")
         return m
@@ -191,40 +230,74 @@ class LLMEngine:
             return
         for seq in request.seqs:
             if not seq.is_finished:
+                seq.drop_pending()
                 self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Some request is waiting, running, or still has a token on its way to the host."""
+        return self.scheduler.has_unfinished() or any(
+            not chunk.seq.is_finished for step in self._in_flight for batch in step.batches for chunk in batch.chunks)
 
     # -- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedules and dispatches one step, then hands back what the host learnt: with
+        asynchronous scheduling the tokens of the step before (the device computes this one
+        meanwhile), else this step's own."""
         out = self.scheduler.schedule()
         if out.compressions:
             self.runner.compress(out.compressions)
             self.stats.kv_tokens_evicted += self.scheduler.finish_compressions(out)
             self.stats.num_compressions += len(out.compressions)
         touched: dict[str, Request] = {}
-        deltas: dict[int, tuple[str, list[int]]] = {}
+        deltas: dict[int, tuple[str, list[int], list[TokenLogprob]]] = {}
         if out.chunks:
-            start = time.perf_counter()
-            rows = [self._sampling_row(c.seq) for c in out.chunks]
-            results = self.runner.run(out.chunks, rows)
-            elapsed = time.perf_counter() - start
-            num_decode = sum(1 for c in out.chunks if c.num_tokens == 1)
-            num_prefill = sum(c.num_tokens for c in out.chunks) - num_decode
-            self._account(elapsed, num_prefill, num_decode)
-            for res in results:
-                self._commit(res, touched, deltas)
+            self._dispatch(out.chunks, touched)
+        keep = 1 if self.config.async_scheduling and out.chunks else 0
+        while len(self._in_flight) > keep:
+            self._resolve(self._in_flight.popleft(), touched, deltas)
+        self.stats.num_compiles = self.runner.num_compiles
         self._maybe_log()
         return [self._output(r, deltas) for r in touched.values()]
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _dispatch(self, chunks: list[Chunk], touched: dict) -> None:
+        rows, ready = [], []
+        for chunk in chunks:
+            try:
+                rows.append(self._sampling_row(chunk))
+                ready.append(chunk)
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                self._fail(chunk.seq, exc, touched)
+        batches, failures = self.runner.dispatch(ready, rows)
+        failed = {id(f.chunk) for f in failures}
+        for f in failures:
+            self._fail(f.chunk.seq, f.error, touched)
+        num_prefill = num_decode = 0
+        for chunk in ready:
+            if id(chunk) in failed or chunk.seq.is_finished:
+                continue
+            seq = chunk.seq
+            self.scheduler.commit(chunk)
+            seq.state_fresh = True
+            if chunk.samples:
+                seq.append_pending()
+            if chunk.num_tokens == 1:
+                num_decode += 1
+            else:
+                num_prefill += chunk.num_tokens
+        self._in_flight.append(_InFlight(batches, time.perf_counter(), num_prefill, num_decode))
+
+    def _sampling_row(self, chunk: Chunk) -> SamplingRow:
+        seq = chunk.seq
         forced = seq.params.forced_token_ids
         step = seq.num_output_tokens
-        return SamplingRow(params=seq.params, seed=seq.seed, step=step,
-                           token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-                           suppress_ids=self._suppressed(seq), forced_id=forced[step] if step < len(forced) else -1)
+        reset = not seq.state_fresh
+        if reset and seq.num_computed_tokens and _penalised(seq.params):
+            self.runner.seed_history(seq)  # its cached prefix tokens never pass through a step
+            reset = False
+        return SamplingRow(params=seq.params, seed=seq.seed, step=step, suppress_ids=self._suppressed(seq),
+                           forced_id=forced[step] if step < len(forced) else -1, slot=seq.state_slot,
+                           num_prompt_tokens=seq.num_prompt_tokens, reset=reset, samples=chunk.samples)
 
     def _suppressed(self, seq: Sequence) -> tuple[int, ...]:
         params = seq.params
@@ -232,49 +305,85 @@ class LLMEngine:
             return ()
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
 
+    def _resolve(self, step: _InFlight, touched: dict, deltas: dict) -> None:
+        results = list(self.runner.fetch(step.batches))
+        now = time.perf_counter()
+        self._account(now - max(step.dispatched_at, self._last_fetch), step.num_prefill, step.num_decode)
+        self._last_fetch = now
+        for res in results:
+            self._commit(res, touched, deltas)
+
     def _commit(self, res: StepResult, touched: dict, deltas: dict) -> None:
-        chunk, seq = res.chunk, res.chunk.seq
-        self.scheduler.commit(chunk)
-        if not chunk.samples or seq.is_finished:
-            return
+        seq = res.chunk.seq
+        if seq.is_finished:
+            return  # finished or aborted since this step was dispatched: its token is dropped
         request = self.requests.get(seq.request_id)
         if request is None:
             return
+        seq.resolve(res.token_id)
+        self.block_manager.commit_full_blocks(seq)  # blocks whose tokens are all known now
         now = time.monotonic()
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
-        seq.token_ids.append(res.token_id)
         self.stats.generation_tokens += 1
+        logprob = None
         if seq.params.logprobs is not None:
             top = [(int(t), float(lp)) for t, lp in zip(res.top_ids, res.top_logprobs)][: seq.params.logprobs]
-            request.logprobs[seq.index].append(TokenLogprob(res.token_id, res.logprob, top))
+            logprob = TokenLogprob(res.token_id, res.logprob, top)
+            request.logprobs[seq.index].append(logprob)
         checker = request.checkers[seq.index]
         delta, reason = checker.append(res.token_id)
-        if reason is None and len(seq) >= self.config.max_model_len:
+        if reason is None and seq.num_known_tokens >= self.config.max_model_len:
             reason = "length"
-        prev_text, prev_ids = deltas.get(seq.seq_id, ("", []))
-        deltas[seq.seq_id] = (prev_text + delta, prev_ids + [res.token_id])
+        text, ids, lps = deltas.setdefault(seq.seq_id, ("", [], []))
+        ids.append(res.token_id)
+        if logprob is not None:
+            lps.append(logprob)
+        deltas[seq.seq_id] = (text + delta, ids, lps)
         if reason is not None:
             request.finish_reasons[seq.index] = reason
             request.stop_reasons[seq.index] = checker.stop_reason
-            seq.metrics.finish_time = now
-            self.scheduler.finish(seq)
+            self._finish_seq(seq)
+        touched[request.request_id] = request
+
+    def _finish_seq(self, seq: Sequence) -> None:
+        seq.metrics.finish_time = time.monotonic()
+        seq.drop_pending()
+        self.scheduler.finish(seq)
+
+    def _fail(self, seq: Sequence, error: Exception, touched: dict) -> None:
+        """A failure that belongs to one request: all its sequences finish with "error"."""
+        request = self.requests.get(seq.request_id)
+        logger.error("request %s failed: %s: %s", seq.request_id, type(error).__name__, error,
+                     exc_info=(type(error), error, error.__traceback__))
+        if request is None:
+            return
+        request.error = f"{type(error).__name__}: {error}"
+        for s in request.seqs:
+            if request.finish_reasons[s.index] is None:
+                request.finish_reasons[s.index] = "error"
+                self._finish_seq(s)
         touched[request.request_id] = request
 
     def _output(self, request: Request, deltas: dict) -> RequestOutput:
+        finished = request.finished
+        wants_logprobs = request.params.logprobs is not None
         outputs = []
         for seq, checker in zip(request.seqs, request.checkers):
-            text, ids = deltas.get(seq.seq_id, ("", []))
+            text, ids, lps = deltas.get(seq.seq_id, ("", [], []))
+            done = request.finish_reasons[seq.index] is not None
             outputs.append(CompletionOutput(
-                index=seq.index, text=checker.text, token_ids=list(seq.output_token_ids),
+                index=seq.index, text=checker.text if done else "",
+                token_ids=seq.token_ids[seq.num_prompt_tokens:] if done else [],
                 finish_reason=request.finish_reasons[seq.index], stop_reason=request.stop_reasons[seq.index],
                 delta_text=text, delta_token_ids=ids,
-                logprobs=request.logprobs[seq.index] if request.params.logprobs is not None else None,
+                logprobs=request.logprobs[seq.index] if wants_logprobs and done else None,
+                delta_logprobs=lps if wants_logprobs else None,
                 metrics=self._seq_metrics(seq)))
-        finished = request.finished
         if finished:
             self.requests.pop(request.request_id, None)
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
+                             error=request.error)
 
     @staticmethod
     def _seq_metrics(seq: Sequence) -> dict:
@@ -282,7 +391,7 @@ class LLMEngine:
         end = m.finish_time or time.monotonic()
         return {
             "prompt_tokens": seq.num_prompt_tokens,
-            "completion_tokens": seq.num_output_tokens,
+            "completion_tokens": seq.num_known_tokens - seq.num_prompt_tokens,
             "cached_prompt_tokens": m.num_cached_prompt_tokens,
             "ttft_s": None if m.first_token_time is None else m.first_token_time - m.arrival_time,
             "latency_s": end - m.arrival_time,
@@ -314,6 +423,7 @@ class LLMEngine:
         s.seqs_at_budget = sch.num_at_budget()
         s.query_slots_in_use = sch.query_slots.in_use
         s.num_free_blocks = bm.num_free_blocks
+        s.num_compiles = self.runner.num_compiles
         return s
 
     def log_line(self) -> str:
@@ -328,3 +438,7 @@ class LLMEngine:
         if now - self._last_log >= self.config.log_interval_s:
             self._last_log = now
             logger.info(self.log_line())
+
+
+def _penalised(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0

@@ -1,4 +1,8 @@
-"""What the engine hands back each step: incremental and cumulative, per completion."""
+"""What the engine hands back each step, per completion: what it added this step (the deltas),
+and the whole completion once it has finished.
+
+A running completion's output carries only deltas, so an output costs the same at token 10 and
+at token 30,000; `text`, `token_ids` and `logprobs` are filled in the final output (finished)."""
 
 from __future__ import annotations
 
@@ -15,13 +19,14 @@ class TokenLogprob:
 @dataclass
 class CompletionOutput:
     index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    text: str  # the whole completion once finished; "" before
+    token_ids: list[int]  # likewise
+    finish_reason: str | None  # "stop" | "length" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or token id that matched
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[TokenLogprob] | None = None  # the whole completion's, once finished (when asked for)
+    delta_logprobs: list[TokenLogprob] | None = None  # this step's (when asked for)
     metrics: dict = field(default_factory=dict)
 
     @property
@@ -36,7 +41,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    error: str | None = None
+    error: str | None = None  # the engine failed this request alone (its finish_reason is "error")
 
     def to_dict(self) -> dict:
         """The `generate` result: the first completion's fields at the top, all of them in

@@ -67,8 +67,8 @@ class DeviceState(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("fns", "params_def", "backend", "tp"), donate_argnames=("state",))
-def _forward_and_sample(fns: DecoderFns, params_def, param_leaves: list[jax.Array], state: DeviceState,
-                        inputs: StepInputs, sampling: SamplingBatch, *, backend: str,
+def _forward_and_sample(param_leaves: list[jax.Array], state: DeviceState, inputs: StepInputs,
+                        sampling: SamplingBatch, *, fns: DecoderFns, params_def, backend: str,
                         tp: TensorParallel | None) -> tuple[DeviceState, SamplerOutput]:
     # params travel as a flat list: flattening the nnx.State on every call costs ~1 ms of host time
     params = jax.tree.unflatten(params_def, param_leaves)
@@ -181,7 +181,7 @@ class ModelRunner:
         self.block_size = bs = config.kvcache_block_size
         self.query_cache_len = config.query_cache_len
         self.num_query_slots = num_query_slots
-        self.row_size = config.prefill_row_size
+        self.row_size = config.row_size
         self.vocab_size = mc.vocab_size
         self.backend = config.attention_backend
         if self.backend == "auto":

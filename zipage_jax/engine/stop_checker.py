@@ -13,6 +13,10 @@ finishes it with "length". A stop string wins over the other reasons on the same
 Any tail of the text that could still become a stop string is held back (from the deltas
 and from `.text`) until it is resolved, so streamed text never has to be taken back:
 `.text` is always the concatenation of the deltas returned so far.
+
+Work per token is constant in the output length: the tokenizer's special ids are read once per
+engine, and only a window of the text past what was emitted is kept as one string (a stop
+string can only start at or after the emitted text); the rest is kept as emitted pieces.
 """
 
 from __future__ import annotations
@@ -24,15 +28,22 @@ from zipage_jax.sampling_params import SamplingParams
 _CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output token (vLLM's offset)
 
 
+_KEEP_CHARS = 4096  # emitted text kept in the working string before it moves to the emitted pieces
+
+
 class StopChecker:
     def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: Iterable[int],
-                 prompt_token_ids: Sequence[int]):
+                 prompt_token_ids: Sequence[int], special_ids: frozenset[int] | None = None):
+        """special_ids: the tokenizer's special token ids (read from it when not given)."""
         self.tokenizer = tokenizer
         self.params = params
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
         self.stop_token_ids = frozenset(params.stop_token_ids)
-        self.token_ids: list[int] = []  # output tokens, stop tokens included
-        self._text = ""  # decoded output, held-back tail included; cut at a stop string
+        skipped = special_ids if special_ids is not None else frozenset(tokenizer.all_special_ids)
+        self._skipped = skipped if params.skip_special_tokens else frozenset()
+        self.num_tokens = 0  # output tokens, stop tokens included
+        self._pieces: list[str] = []  # emitted text before _text
+        self._text = ""  # the rest of the decoded output, held-back tail included; cut at a stop string
         self.finish_reason: str | None = None  # "stop" or "length"
         self.stop_reason: str | int | None = None  # the stop string or stop token id; None for EOS / length
         self._tokens = self._to_tokens(prompt_token_ids[-_CONTEXT_TOKENS - 2:])  # tokenizer pieces
@@ -45,11 +56,11 @@ class StopChecker:
         if self.finish_reason is not None:
             raise RuntimeError(f"sequence already finished ({self.finish_reason}); cannot append token {token_id}")
         params = self.params
-        self.token_ids.append(token_id)
-        may_stop = len(self.token_ids) > params.min_tokens
+        self.num_tokens += 1
+        may_stop = self.num_tokens > params.min_tokens
         is_eos = may_stop and token_id in self.eos_token_ids
         is_stop_token = is_eos or (may_stop and token_id in self.stop_token_ids)
-        ends = is_stop_token or len(self.token_ids) >= params.max_tokens
+        ends = is_stop_token or self.num_tokens >= params.max_tokens
         if not is_stop_token or params.include_stop_str_in_output:
             self._tokens.extend(self._to_tokens([token_id]))
         checked = len(self._text)
@@ -61,16 +72,18 @@ class StopChecker:
                 self._finish("length", None)
         end = len(self._text) if self.finish_reason else len(self._text) - self._held_back()
         delta, self._emitted = self._text[self._emitted:end], max(end, self._emitted)
+        if self._emitted > 2 * _KEEP_CHARS:  # move emitted text out of the working string
+            self._pieces.append(self._text[:_KEEP_CHARS])
+            self._text, self._emitted = self._text[_KEEP_CHARS:], self._emitted - _KEEP_CHARS
         return delta, self.finish_reason
 
     @property
     def text(self) -> str:
-        """The output text streamed so far; the whole output once finished."""
-        return self._text[: self._emitted]
+        """The output text streamed so far; the whole output once finished (O(length): read it once)."""
+        return "".join(self._pieces) + self._text[: self._emitted]
 
     def _to_tokens(self, ids: Sequence[int]) -> list[str]:
-        skip = self.params.skip_special_tokens
-        return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids], skip_special_tokens=skip)
+        return self.tokenizer.convert_ids_to_tokens([int(i) for i in ids if int(i) not in self._skipped])
 
     def _decode(self, flush: bool) -> str:
         # the new text of the pieces past read_offset; flush: even if it ends in a partial character

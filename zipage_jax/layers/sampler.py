@@ -4,8 +4,8 @@ Order per row (HF / vLLM): ban the row's suppress_ids (EOS and stop ids under mi
 repetition penalty (prompt + output tokens), frequency and presence penalties (output
 tokens); then a greedy row takes the argmax and a random row divides by its temperature,
 keeps the tokens that pass top-k, top-p (over the top-k survivors) and min-p, and draws one
-of them by inverse CDF with a single uniform from fold_in(key(seed), step): a seeded
-request draws the same tokens whatever batch it is in. A row with a forced token (teacher
+of them by inverse CDF with a single uniform hashed from (seed, step): a seeded request
+draws the same tokens whatever batch it is in. A row with a forced token (teacher
 forcing) outputs it instead. Log-probabilities come from the raw logits.
 
 Filters work on unnormalised probabilities p = exp(x - max x), so the kept set is
@@ -37,6 +37,7 @@ _GROUP = 16  # candidate groups of _largest
 _CANDIDATES = 64  # largest p per row read for top-k / top-p before falling back to bisection
 _ONE_BITS = 0x3F800000  # float32 1.0: thresholds are bisected over the bits of [0, 1]
 _BISECT_STEPS = 30  # ceil(log2(_ONE_BITS + 1))
+_EXACT_ROWS = 8  # rows bisected together when the candidates do not hold their threshold
 
 
 class SamplerState(NamedTuple):
@@ -160,8 +161,7 @@ def _sample_random(x: jax.Array, batch: SamplingBatch) -> jax.Array:
     threshold = lax.cond(jnp.any(filtered), lambda: jnp.maximum(batch.min_p, _top_k_p_threshold(
         p, jnp.where(filtered, batch.top_k, 0), jnp.where(filtered, batch.top_p, 1.0))), lambda: batch.min_p)
     keep = jnp.where(greedy[:, None], centred == 0, p >= threshold[:, None])
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(batch.seed, batch.step)
-    u = jnp.where(greedy, 0.0, jax.vmap(jax.random.uniform)(keys))  # [B] in [0, 1)
+    u = jnp.where(greedy, 0.0, uniform(batch.seed, batch.step))  # [B] in [0, 1)
     return _draw(jnp.where(keep, p, 0.0), u)
 
 
@@ -173,12 +173,12 @@ def _draw(weight: jax.Array, u: jax.Array) -> jax.Array:
     # weight: [B, Vp] >= 0; u: [B] in [0, 1)
     blocks = _materialise(weight).reshape(weight.shape[0], -1, _LANE)  # [B, nb, L]
     block_mass = jnp.sum(blocks, axis=-1)  # [B, nb]
-    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    block_cdf = _cumsum(block_mass)
     target = u * block_cdf[:, -1]  # [B]
     j = _first_above(block_cdf, block_mass, target)
     lanes = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [B, L]
     before = _at(block_cdf, j) - _at(block_mass, j)
-    i = _first_above(jnp.cumsum(lanes, axis=-1), lanes, target - before)
+    i = _first_above(_cumsum(lanes), lanes, target - before)
     return (j * _LANE + i).astype(jnp.int32)
 
 
@@ -198,7 +198,7 @@ def _top_k_p_threshold(p: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     num = min(_CANDIDATES, vocab)
     vals, _ = _largest(p, num)  # [B, K] descending
     in_k = lax.broadcasted_iota(jnp.int32, vals.shape, 1) < jnp.where(k_on, top_k, num)[:, None]
-    cum = jnp.cumsum(jnp.where(in_k, vals, 0.0), axis=-1)  # [B, K]
+    cum = _cumsum(jnp.where(in_k, vals, 0.0))  # [B, K]
     before = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))  # [B, K] mass of the larger candidates
     k_fits = k_on & (top_k <= num)
     mass = jnp.where(k_fits, cum[:, -1], jnp.sum(p, axis=-1))  # top-p renormalises over top-k survivors
@@ -213,20 +213,18 @@ def _top_k_p_threshold(p: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
 
 def _exact_where_needed(p: jax.Array, top_k: jax.Array, top_p: jax.Array, fast: jax.Array,
                         fits: jax.Array) -> jax.Array:
-    """`fast` where it fits; elsewhere the bisection, run on just those rows (gathered into a bucket)."""
+    """`fast` where it fits; elsewhere the bisection, run on just those rows, _EXACT_ROWS at a time."""
     # p: [B, Vp]; top_k, top_p, fast, fits: [B]
-    sizes = [s for s in (1, 4, 16) if s < p.shape[0]] + [p.shape[0]]
+    batch = p.shape[0]
+    size = min(_EXACT_ROWS, batch)
+    rows = jnp.nonzero(~fits, size=-(-batch // size) * size, fill_value=batch)[0]  # padding: batch (dropped)
 
-    def exact_rows(size: int):
-        def run() -> jax.Array:
-            rows = jnp.nonzero(~fits, size=size, fill_value=0)[0]  # [size]
-            exact = jnp.zeros_like(fast).at[rows].set(_exact_threshold(p[rows], top_k[rows], top_p[rows]))
-            return jnp.where(fits, fast, exact)
+    def exact_rows(i, out):
+        picked = lax.dynamic_slice_in_dim(rows, i * size, size)  # [size]
+        safe = jnp.minimum(picked, batch - 1)
+        return out.at[picked].set(_exact_threshold(p[safe], top_k[safe], top_p[safe]), mode="drop")
 
-        return run
-
-    branch = jnp.searchsorted(jnp.array([0, *sizes]), jnp.sum(~fits))  # 0: every row fits
-    return lax.switch(branch, [lambda: fast] + [exact_rows(s) for s in sizes])
+    return lax.fori_loop(0, -(-jnp.sum(~fits) // size), exact_rows, fast)
 
 
 def _exact_threshold(p: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -278,6 +276,32 @@ def _largest(x: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
     candidate_ids = (best[:, :, None] * _GROUP + jnp.arange(_GROUP)).reshape(b, -1)
     values, pos = lax.top_k(candidates, num)
     return values, jnp.take_along_axis(candidate_ids, pos, axis=-1).astype(jnp.int32)
+
+
+def uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """One uniform in [0, 1) per row from its (seed, step), counter-based: the same whatever the
+    batch. Two rounds of the murmur3 finaliser (a bijection of uint32) mix the seed and the step;
+    the top 24 bits give the float. (jax.random's threefry costs ~0.4 s of compile per program.)"""
+    # seed: [B] u32; step: [B] i32
+    h = _fmix32(seed ^ jnp.uint32(0x9E3779B9))
+    h = _fmix32(h ^ (step.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B) + jnp.uint32(0xC2B2AE35)))
+    return (h >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _cumsum(x: jax.Array) -> jax.Array:
+    """Inclusive prefix sums along the last axis as one product with a triangular matrix (XLA's
+    CPU cumsum is an associative scan: dozens of ops, slow to compile)."""
+    n = x.shape[-1]
+    upper = jnp.triu(jnp.ones((n, n), x.dtype))  # upper[i, j] = i <= j
+    return jnp.dot(x, upper, precision=lax.Precision.HIGHEST)
 
 
 def _materialise(x: jax.Array) -> jax.Array:
