@@ -44,13 +44,13 @@ def compress_layer(
         k_pool, queries, block_tables, num_blocks, compressed, score_cache, cfg, backend, v_pool
     )
     targets = target_tables[:, : cfg.budget_blocks]
+    pools = [k_pool, v_pool] + ([] if score_cache is None else [score_cache])
     if backend == "xla":
-        k_pool, v_pool, score_cache = compact_reference(
-            k_pool, v_pool, score_cache, stages.keep, block_tables, targets)
+        pools = compact_reference(pools, stages.keep, block_tables, targets)
     else:
-        k_pool, v_pool, score_cache = compact_pallas(
-            k_pool, v_pool, score_cache, stages.keep, block_tables, targets,
-            interpret=backend == "pallas-interpret")
+        pools = compact_pallas(pools, stages.keep, block_tables, targets,
+                               interpret=backend == "pallas-interpret")
+    k_pool, v_pool, score_cache = pools[0], pools[1], (pools[2] if score_cache is not None else None)
     return k_pool, v_pool, score_cache, stages
 
 

@@ -153,12 +153,13 @@ def compact_on_reference_keep(z: dict, layer: int, cfg: CompressionConfig, table
             for w in range(int((z["block_tables"][b] != -1).sum())):
                 score_cache[row[w]] = z["global_score"][layer, b, :, w].T
         score_cache = jnp.asarray(score_cache)
-    args = (jnp.asarray(z["k_cache_in"][layer]), jnp.asarray(z["v_cache_in"][layer]), score_cache,
-            jnp.asarray(z["keep"][layer]), jnp.asarray(tables),
+    pools = [jnp.asarray(z["k_cache_in"][layer]), jnp.asarray(z["v_cache_in"][layer])]
+    pools += [] if score_cache is None else [score_cache]
+    args = (pools, jnp.asarray(z["keep"][layer]), jnp.asarray(tables),
             jnp.asarray(z["target_block_tables"][:, : cfg.budget_blocks], jnp.int32))
-    if backend == "xla":
-        return compact_reference(*args)
-    return compact(*args, interpret=backend == "pallas-interpret")
+    out = compact_reference(*args) if backend == "xla" else compact(
+        *args, interpret=backend == "pallas-interpret")
+    return out[0], out[1], (out[2] if score_cache is not None else None)
 
 
 def _max_abs_err(ours: np.ndarray, ref: np.ndarray) -> float:
