@@ -1,6 +1,10 @@
-"""A host stand-in for the device, for the block manager and scheduler tests.
+"""Stand-ins for the device: an abstract H200 to lower kernels for CUDA on the CPU, and a host
+model of the pool for the block manager and scheduler tests.
 
-Every pool slot holds the (token id, position) whose K/V it would hold, and every query-cache
+`lower_for_h200` lowers a jitted function for ("cuda",) under an abstract H200 device, which
+runs the Pallas Triton lowering (the GPU rules: power-of-two tiles, dot operands) on the CPU.
+
+`FakeDevice`: every pool slot holds the (token id, position) whose K/V it would hold, and every query-cache
 row the (seq id, position) of the queries it would hold, so the tests can check what a real
 engine would read: a sequence's view of its blocks, the prefix cache's contents, and the queries
 a compression scores with.
@@ -11,10 +15,20 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import jax
+
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, BlockManager, CompressionPlan
 from zipage_jax.engine.sequence import Sequence
 
 Entry = tuple[int, int] | None
+
+H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+
+
+def lower_for_h200(fn, *args, **kwargs) -> str:
+    """The StableHLO text of jitted `fn(*args, **kwargs)` lowered for CUDA on an H200."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=H200)):
+        return fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
 
 
 class FakeDevice:

@@ -1,4 +1,4 @@
-"""The benchmark scripts' plumbing: bench_throughput, bench_gpu --cpu-smoke, bench_math (tiny models)."""
+"""The benchmark scripts' plumbing: bench_throughput, bench_gpu --smoke, bench_math (tiny models)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_gpu  # noqa: E402
 import bench_math  # noqa: E402
 import bench_throughput as bt  # noqa: E402
+import compact_cases  # noqa: E402
 import plot_results  # noqa: E402
 
 
@@ -158,25 +159,66 @@ def test_deadline_interrupts_a_section():
             pass
 
 
+def _sections(out: str) -> tuple[list[str], dict]:
+    """The sections' own JSON lines (in order) and the final report."""
+    lines = [json.loads(line) for line in out.strip().splitlines()]
+    return [line["section"] for line in lines[:-1]], lines[-1]
+
+
+def test_bench_gpu_smoke_compaction(capsys):
+    skip = [name for name in bench_gpu.SECTIONS if name not in ("environment", "compact")]
+    assert bench_gpu.main(["--smoke", "--seeds", "3", "--skip", *skip]) == 0
+    printed, report = _sections(capsys.readouterr().out)
+    assert printed == ["environment", "compact"] and report["ok"]
+    (config,) = report["sections"]["compact"]["configs"]
+    assert config["cases"] == len(compact_cases.PATTERNS) + 3 and config["failed"] == []
+
+
 @pytest.mark.slow
-def test_bench_gpu_cpu_smoke(llama_dir, capsys):
-    assert bench_gpu.main(["--cpu-smoke", "--model", llama_dir]) == 0
-    report = last_json(capsys.readouterr().out)
+def test_bench_gpu_smoke_every_section(llama_dir, capsys):
+    assert bench_gpu.main(["--smoke", "--model", llama_dir]) == 0
+    printed, report = _sections(capsys.readouterr().out)
     sections = report["sections"]
-    assert set(sections) == set(bench_gpu.SECTIONS)
+    assert printed == list(bench_gpu.SECTIONS) == list(sections)
     assert report["ok"], {k: v.get("error") for k, v in sections.items()}
-    assert sections["compact"]["bit_identical"]
-    assert sections["paged_decode"]["shapes"][0]["max_abs_err"] < 1e-4
-    assert sections["throughput"]["zipage"]["compressions"] > 0
+    assert sections["paged_decode"]["cases"][0]["max_abs_err"] < 1e-4
+    assert sections["attention_score"]["cases"][0]["max_abs_err"] < 1e-6
+    assert sections["decode_bandwidth"]["cases"][0]["achieved_gbs"] > 0
+    assert {"compact_pallas_ms_per_layer", "compress_step_xla_ms_per_layer"} <= set(
+        sections["compaction_time"]["cases"][0])
+    for name in ("engine_default", "engine_qwen3_8b"):
+        engine = sections[name]
+        assert engine["zipage"]["compressions"] > 0 and engine["full"]["compressions"] == 0, name
+        assert engine["pool_blocks"] == 3 * (1 + 1) + 1, name  # one pool for both runs: M + 1 blocks each
+        assert engine["full"]["output_tokens"] == engine["zipage"]["output_tokens"] == 3 * 40, name
+    assert sections["engine_qwen3_8b"]["model_config"]["num_layers"] == 2
 
 
-def test_bench_gpu_reports_a_failing_section(capsys, monkeypatch):
+def test_bench_gpu_random_model_and_byte_tokenizer():
+    loaded = bench_gpu.random_model(bench_gpu.TINY_QWEN3, "float32", num_layers=1)
+    assert loaded.config.num_layers == 1 and loaded.config.num_kv_heads == 2 and loaded.config.qk_norm
+    tok = loaded.tokenizer
+    ids = tok("héllo")["input_ids"]
+    assert ids == list("héllo".encode()) and max(ids) < loaded.config.vocab_size
+    assert tok.convert_tokens_to_string(tok.convert_ids_to_tokens([7, 300])) == "<7><300>"
+    assert bench_gpu.QWEN3_8B["num_layers"] == 36 and bench_gpu.QWEN3_8B["vocab_size"] == 151936
+
+
+def test_bench_gpu_sizes_default_per_mode_and_flags_win():
+    gpu = bench_gpu.parse_args([])
+    assert (gpu.engine_requests, gpu.decode_batch, gpu.decode_context) == (64, 64, 4096)
+    smoke = bench_gpu.parse_args(["--smoke", "--engine-requests", "5"])
+    assert smoke.engine_requests == 5 and smoke.decode_batch == bench_gpu.SIZES["smoke"]["decode_batch"]
+
+
+def test_bench_gpu_reports_a_failing_section_and_runs_the_next(capsys, monkeypatch):
     def broken(args):
         raise RuntimeError("no such kernel")
 
-    monkeypatch.setattr(bench_gpu, "SECTIONS", {"environment": bench_gpu.section_environment, "bad": broken})
-    assert bench_gpu.main(["--cpu-smoke"]) == 1
-    report = last_json(capsys.readouterr().out)
+    monkeypatch.setattr(bench_gpu, "SECTIONS", {"bad": broken, "environment": bench_gpu.section_environment})
+    assert bench_gpu.main(["--smoke"]) == 1
+    printed, report = _sections(capsys.readouterr().out)
+    assert printed == ["bad", "environment"]
     assert not report["ok"] and "no such kernel" in report["sections"]["bad"]["error"]
     assert report["sections"]["environment"]["backend"] == "cpu"
 

@@ -1,4 +1,4 @@
-"""Compaction (Pallas interpret vs jnp vs a numpy check) and the whole compression step."""
+"""Compaction (Pallas interpret vs jnp vs a numpy twin) and the whole compression step."""
 
 import warnings
 
@@ -7,12 +7,32 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from compact_cases import PATTERNS, compaction_case, num_pool_blocks
 from compress_cases import NUM_KV_HEADS, make_case
-from pallas_kernels.compact import compact, compact_reference
+from pallas_kernels.compact import _chunk_rows, compact, compact_reference
 from zipage_jax.compress.step import compress, compress_layer
 from zipage_jax.config import CompressionConfig
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+
+
+def _same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _twin(pool, keep, tables, targets):
+    """numpy: per (seq, head) the kept tokens, in order, overwrite the first target slots."""
+    out = np.array(pool)
+    bs = pool.shape[1]
+    slots = out.reshape(-1, *pool.shape[2:])  # a view: [NB*BS, Hkv, ...]
+    for b in range(tables.shape[0]):
+        for h in range(pool.shape[2]):
+            rows = pool[tables[b], :, h].reshape(-1, *pool.shape[3:])  # [W*BS, ...] logical order
+            kept = rows[keep[b, h].reshape(-1)][: targets.shape[1] * bs]
+            d = np.arange(len(kept))
+            slots[targets[b, d // bs] * bs + d % bs, h] = kept
+    return out
 
 
 def _random_keep(case, cfg, seed):
@@ -26,46 +46,63 @@ def _random_keep(case, cfg, seed):
     return keep.reshape(batch, NUM_KV_HEADS, width, cfg.block_size)
 
 
-def _same_bits(a, b):
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
-
-
-def _assert_compacted(before, after, keep, case, cfg):
-    """Each head's kept tokens, in order, fill the first M target blocks; all else unchanged."""
-    bs, m = cfg.block_size, cfg.budget_blocks
-    touched = np.zeros(before.shape[:1], bool)
-    for b, n in enumerate(case.num_blocks):
-        if n == 0:
-            continue
-        targets = case.target_tables[b, :m]
-        touched[targets] = True
-        source = before[case.block_tables[b, :n]]  # [n, BS, Hkv, ...]
-        for h in range(NUM_KV_HEADS):
-            kept = source[:, :, h].reshape(n * bs, *before.shape[3:])[keep[b, h, :n].reshape(-1)]
-            packed = after[targets][:, :, h].reshape(m * bs, *before.shape[3:])
-            assert _same_bits(packed, kept), (b, h)
-    assert _same_bits(after[~touched], before[~touched])  # incl. the dummy block 0 and padding targets
-
-
 @pytest.mark.parametrize("block_size,with_scores", [(16, True), (32, False), (64, True)])
 def test_compact_moves_kept_tokens_in_order(block_size, with_scores):
     cfg = CompressionConfig(budget_blocks=3 if block_size == 16 else 2, block_size=block_size)
     case = make_case(block_size, cfg, 1)
     keep = _random_keep(case, cfg, block_size)
-    pools = (jnp.asarray(case.k_pool), jnp.asarray(case.v_pool),
-             jnp.asarray(case.score_cache) if with_scores else None)
+    befores = [case.k_pool, case.v_pool] + ([case.score_cache] if with_scores else [])
+    pools = [jnp.asarray(x) for x in befores]
     tables = jnp.asarray(case.block_tables)
-    targets = jnp.asarray(case.target_tables[:, : cfg.budget_blocks])
-    ref = compact_reference(*pools, jnp.asarray(keep), tables, targets)
-    ours = compact(*pools, jnp.asarray(keep), tables, targets, interpret=True)
-    befores = (case.k_pool, case.v_pool, case.score_cache)
-    for name, before, r, o in zip(("k", "v", "score"), befores, ref, ours):
-        if r is None:
-            assert o is None and not with_scores
-            continue
-        assert _same_bits(o, r), name
-        _assert_compacted(before, np.asarray(r), keep, case, cfg)
+    targets = case.target_tables[:, : cfg.budget_blocks]
+    ref = compact_reference(pools, jnp.asarray(keep), tables, jnp.asarray(targets))
+    ours = compact(pools, jnp.asarray(keep), tables, jnp.asarray(targets), interpret=True)
+    assert len(ours) == len(ref) == len(befores)
+    for before, r, o in zip(befores, ref, ours):
+        assert _same_bits(o, r)
+        assert _same_bits(r, _twin(before, keep, case.block_tables, targets))
+
+
+# -- adversarial keep patterns -------------------------------------------------------------------
+
+SEQS, WIDTH, BUDGET = 3, 6, 3  # in place, all-fresh targets, first target fresh; then a padding row
+
+
+def _random_pool(rng, shape, dtype):
+    """Random bits, so every slot differs (NaN and inf included: compared bit for bit)."""
+    raw = rng.integers(0, 256, (*shape, jnp.dtype(dtype).itemsize), np.uint8)
+    return raw.view(jnp.dtype(dtype)).reshape(shape)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
+def test_compact_adversarial_patterns_match_reference_and_twin(dtype, block_size):
+    rng = np.random.default_rng(block_size)
+    shape = (num_pool_blocks(SEQS, WIDTH, BUDGET), block_size, NUM_KV_HEADS)
+    # keys; wide values (chunks of 16 < BS at BS 64); per-token scales; a float32 score cache
+    pools = [_random_pool(rng, shape + (16,), dtype), _random_pool(rng, shape + (512,), dtype),
+             _random_pool(rng, shape, dtype), _random_pool(rng, shape, jnp.float32)]
+    device_pools = [jnp.asarray(p) for p in pools]
+    cases = [(name, 0) for name in PATTERNS] + [("random", seed) for seed in range(1, 7)]
+    for name, seed in cases:
+        tables, targets, keep = compaction_case(name, 1000 * block_size + seed, num_seqs=SEQS,
+                                                num_kv_heads=NUM_KV_HEADS, width=WIDTH, budget=BUDGET,
+                                                block_size=block_size)
+        args = (jnp.asarray(keep), jnp.asarray(tables), jnp.asarray(targets))
+        ours = compact(device_pools, *args, interpret=True)
+        ref = compact_reference(device_pools, *args)
+        for j, (before, o, r) in enumerate(zip(pools, ours, ref)):
+            expected = _twin(before, keep, tables, targets)
+            assert _same_bits(r, expected), (name, seed, j)
+            assert _same_bits(o, expected), (name, seed, j)
+
+
+def test_chunk_rows():
+    pool = lambda *trailing: jax.ShapeDtypeStruct((3, 256, 2, *trailing), jnp.bfloat16)  # noqa: E731
+    assert _chunk_rows([pool(128), pool()], 256) == 64  # 64 x 128 = 8192 elements
+    assert _chunk_rows([pool(64)], 16) == 16
+    assert _chunk_rows([pool()], 256) == 256
+    assert _chunk_rows([pool(96)], 256) == 64  # largest power of two with 96 * S <= 8192
 
 
 def test_compact_checks_shapes():
@@ -75,9 +112,18 @@ def test_compact_checks_shapes():
     k, v = jnp.asarray(case.k_pool), jnp.asarray(case.v_pool)
     tables, targets = jnp.asarray(case.block_tables), jnp.asarray(case.target_tables)
     with pytest.raises(ValueError, match="keep"):
-        compact_reference(k, v, None, keep[:, :1], tables, targets)
-    with pytest.raises(ValueError, match="score_cache"):
-        compact(k, v, jnp.zeros((3, 16, 2)), keep, tables, targets, interpret=True)
+        compact_reference([k, v], keep[:, :1], tables, targets)
+    with pytest.raises(ValueError, match="agree"):
+        compact([k, v, jnp.zeros((3, 16, 2))], keep, tables, targets, interpret=True)
+    with pytest.raises(ValueError, match="non-empty"):
+        compact([], keep, tables, targets, interpret=True)
+    with pytest.raises(ValueError, match="power-of-two"):
+        compact([k[..., :12]], keep, tables, targets)
+    with pytest.raises(ValueError, match="int32"):
+        compact_reference([k], keep, tables, targets.astype(jnp.int16))
+
+
+# -- the whole compression step ------------------------------------------------------------------
 
 
 def _layers(case, seed, num_layers=2):
@@ -114,11 +160,13 @@ def test_compress_step_donated_backends_agree():
                                     **batch_args, cfg=cfg, backend=backend)
         assert all(x.is_deleted() for x in k_pools)
     one_layer = jax.jit(compress_layer, static_argnames=("cfg", "backend"))
+    targets = case.target_tables[:, : cfg.budget_blocks]
     for layer in range(len(layers["k"])):
         k, v, s, stages = one_layer(
             *(jnp.asarray(layers[key][layer]) for key in "kvsq"), **batch_args, cfg=cfg,
         )
-        _assert_compacted(layers["k"][layer], np.asarray(k), np.asarray(stages.keep), case, cfg)
+        keep = np.asarray(stages.keep)
+        assert _same_bits(k, _twin(layers["k"][layer], keep, case.block_tables, targets))
         for backend, (ks, vs, ss) in results.items():
             assert _same_bits(ks[layer], k) and _same_bits(vs[layer], v), backend
             np.testing.assert_allclose(np.asarray(ss[layer]), np.asarray(s), rtol=0, atol=1e-6)

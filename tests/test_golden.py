@@ -35,13 +35,14 @@ def test_xla_pipeline_matches_reference(path):
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_pallas_kernels_match_reference(path):
     """Each kernel on the reference's own inputs: attention score, then compaction of its keep."""
-    z, cfg, tables, num_blocks = golden.load_case(path)
+    z, cfg, tables, num_blocks, rows = golden.load_case(path)
     for layer in range(z["k_cache_in"].shape[0]):
         queries = jnp.asarray(z["query_cache"][layer][z["query_ids"]])
         attn = attention_score(jnp.asarray(z["k_cache_in"][layer]), queries, jnp.asarray(tables),
                                jnp.asarray(num_blocks), interpret=True)
         assert np.abs(np.asarray(attn) - z["attn_score"][layer]).max() <= golden.SCORE_TOL
-        pools = golden.compact_on_reference_keep(z, layer, cfg, tables, "pallas-interpret")
+        budget_blocks = int(rows.budget.max()) // cfg.block_size
+        pools = golden.compact_on_reference_keep(z, layer, cfg, tables, budget_blocks, "pallas-interpret")
         for name, pool in zip(("k_cache_out", "v_cache_out", "score_cache_out"), pools):
             assert (pool is None) == (name not in z)
             assert pool is None or np.asarray(pool).tobytes() == z[name][layer].tobytes(), name

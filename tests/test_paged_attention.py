@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fake_device import lower_for_h200
 from pallas_kernels.kv_quant import dequantize, quantize
 from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 
@@ -141,16 +142,12 @@ def test_kernel_matches_xla_path():
 def test_kernel_lowers_for_triton(dtype, head_dim, block_size, num_kv_heads, q_heads, width,
                                   batch, tuning):
     # Lowering to Triton IR on CPU checks the GPU rules (power-of-two tiles, dot operands).
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
-                                         num_cores=132)
     q = jax.ShapeDtypeStruct((batch, q_heads, head_dim), dtype)
     pool = jax.ShapeDtypeStruct((1 + batch * width, block_size, num_kv_heads, head_dim), dtype)
     tables = jax.ShapeDtypeStruct((batch, width), jnp.int32)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        lowered = paged_decode_attention.trace(q, pool, pool, tables, lens, **tuning).lower(
-            lowering_platforms=("cuda",))
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    text = lower_for_h200(paged_decode_attention, q, pool, pool, tables, lens, **tuning)
+    assert "__gpu$xla.gpu.triton" in text
 
 
 def quantized_case(seed, pool_dtype, q_dtype, block_size, group, width, lengths):
@@ -239,8 +236,6 @@ def test_kernel_quantized_pool(pool_dtype, q_dtype, block_size, group, block_k):
     "pool_dtype, head_dim, block_size",
     list(itertools.product([jnp.int8, jnp.float8_e4m3fn], [64, 128], [16, 256])))
 def test_quantized_kernel_lowers_for_triton(pool_dtype, head_dim, block_size):
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu",
-                                         num_cores=132)
     batch, width, num_kv_heads, q_heads = 8, 4, 4, 12
     q = jax.ShapeDtypeStruct((batch, q_heads, head_dim), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((1 + batch * width, block_size, num_kv_heads, head_dim),
@@ -248,11 +243,8 @@ def test_quantized_kernel_lowers_for_triton(pool_dtype, head_dim, block_size):
     scales = jax.ShapeDtypeStruct(pool.shape[:3], jnp.float32)
     tables = jax.ShapeDtypeStruct((batch, width), jnp.int32)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
-        lowered = paged_decode_attention.trace(q, pool, pool, tables, lens, k_scales=scales,
-                                               v_scales=scales).lower(
-                                                   lowering_platforms=("cuda",))
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()
+    text = lower_for_h200(paged_decode_attention, q, pool, pool, tables, lens, k_scales=scales, v_scales=scales)
+    assert "__gpu$xla.gpu.triton" in text
 
 
 def test_quantized_bad_inputs_raise():

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.compact import compact, compact_reference
-from zipage_jax.compress.step import compress_layer
+from zipage_jax.compress.policies import POLICIES, CompressRows, PolicyOptions, compress_rows
+from zipage_jax.compress.step import LayerPools, compress_layer
 from zipage_jax.config import CompressionConfig
 
 SCORE_TOL = 1e-5
@@ -46,12 +47,12 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def load_case(path: Path) -> tuple[dict[str, np.ndarray], CompressionConfig, np.ndarray, np.ndarray]:
-    """The arrays, our config, and the block tables converted to (dummy-0 padded tables, num_blocks)."""
+def load_case(path: Path) -> tuple[dict[str, np.ndarray], CompressionConfig, np.ndarray, np.ndarray, CompressRows]:
+    """The arrays, our config, the block tables converted to (dummy-0 padded tables, num_blocks),
+    and the rows: every sequence scored by the reference policy at the case's budget."""
     z = dict(np.load(path))
     case = json.loads(str(z["config"]))
     cfg = CompressionConfig(
-        budget_blocks=case["max_blocks_per_seq"] - 1,
         block_size=case["block_size"],
         query_cache_len=case["query_cache_len"],
         use_global_score=case["use_global_score"],
@@ -64,9 +65,9 @@ def load_case(path: Path) -> tuple[dict[str, np.ndarray], CompressionConfig, np.
         redundancy_lambda=case["redundancy_lambda"],
         redundancy_temperature=case["redundancy_temperature"],
         redundancy_threshold=case["redundancy_threshold"],
-        sink_len=case["sink_len"],
     )
-    if cfg.budget_tokens != case["budget_tokens"]:
+    budget = (case["max_blocks_per_seq"] - 1) * case["block_size"]
+    if budget != case["budget_tokens"]:
         raise ValueError(f"{path}: budget_tokens {case['budget_tokens']} "
                          "!= (max_blocks_per_seq - 1) * block_size")
     if not np.isclose(case["softmax_scale"], case["head_dim"] ** -0.5):
@@ -75,11 +76,25 @@ def load_case(path: Path) -> tuple[dict[str, np.ndarray], CompressionConfig, np.
     num_blocks = (tables != -1).sum(axis=1).astype(np.int32)
     if not all((row[n:] == -1).all() for row, n in zip(tables, num_blocks)):
         raise ValueError(f"{path}: -1 padding must come after the valid blocks")
-    return z, cfg, np.where(tables == -1, 0, tables).astype(np.int32), num_blocks
+    batch = len(tables)
+    options = PolicyOptions(sinks=case["sink_len"], recent_fraction=0.0)
+    rows = compress_rows([POLICIES["zipage"]] * batch, [options] * batch,
+                         [budget if n else 0 for n in num_blocks], cfg.query_cache_len)
+    return z, cfg, np.where(tables == -1, 0, tables).astype(np.int32), num_blocks, rows
+
+
+def _targets(z: dict, width: int) -> np.ndarray:
+    """The reference's target tables [B, M + 1] as ours: the tables' width, dummy-0 padded."""
+    given = z["target_block_tables"].astype(np.int32)
+    targets = np.zeros((len(given), width), np.int32)
+    n = min(width, given.shape[1])
+    targets[:, :n] = given[:, :n]
+    return targets
 
 
 def check_file(path: Path, backend: str) -> dict:
-    z, cfg, tables, num_blocks = load_case(path)
+    z, cfg, tables, num_blocks, rows = load_case(path)
+    budget_tokens = int(rows.budget.max())
     num_layers = z["k_cache_in"].shape[0]
     has_scores = "score_cache_out" in z
     ours = {name: [] for name in (*STAGES, "keep", "k_cache_out", "v_cache_out", "score_cache_out")}
@@ -87,14 +102,12 @@ def check_file(path: Path, backend: str) -> dict:
     common = dict(
         block_tables=jnp.asarray(tables), num_blocks=jnp.asarray(num_blocks),
         query_ids=jnp.asarray(z["query_ids"], jnp.int32), compressed=jnp.asarray(z["compressed"]),
-        target_tables=jnp.asarray(z["target_block_tables"], jnp.int32), cfg=cfg, backend=backend,
+        target_tables=jnp.asarray(_targets(z, tables.shape[1])), rows=rows, cfg=cfg, backend=backend,
     )
     for layer in range(num_layers):
-        k, v, s, stages = _compress_layer(
-            jnp.asarray(z["k_cache_in"][layer]), jnp.asarray(z["v_cache_in"][layer]),
-            jnp.asarray(z["score_cache_in"][layer]) if cfg.use_global_score else None,
-            jnp.asarray(z["query_cache"][layer]), **common,
-        )
+        pools = LayerPools(jnp.asarray(z["k_cache_in"][layer]), jnp.asarray(z["v_cache_in"][layer]),
+                           jnp.asarray(z["score_cache_in"][layer]) if cfg.use_global_score else None)
+        (k, v, s, _, _), stages = _compress_layer(pools, jnp.asarray(z["query_cache"][layer]), **common)
         for name, field in STAGES.items():
             value = getattr(stages, field)
             ours[name].append(None if value is None else np.asarray(value))
@@ -102,7 +115,7 @@ def check_file(path: Path, backend: str) -> dict:
         ours["k_cache_out"].append(np.asarray(k))
         ours["v_cache_out"].append(np.asarray(v))
         ours["score_cache_out"].append(None if s is None else np.asarray(s))
-        k, v, s = compact_on_reference_keep(z, layer, cfg, tables, backend)
+        k, v, s = compact_on_reference_keep(z, layer, cfg, tables, budget_tokens // cfg.block_size, backend)
         given_keep["k_cache_out"].append(np.asarray(k))
         given_keep["v_cache_out"].append(np.asarray(v))
         given_keep["score_cache_out"].append(None if s is None else np.asarray(s))
@@ -120,7 +133,7 @@ def check_file(path: Path, backend: str) -> dict:
         report["stages"][name] = err
         ok &= err <= SCORE_TOL
     mismatches, unexplained = _keep_mismatches(np.stack(ours["keep"]), z["keep"], z["final_score"],
-                                               cfg.budget_tokens)
+                                               budget_tokens)
     report["keep_mismatches"] = mismatches
     report["keep_mismatches_not_ties"] = unexplained
     ok &= unexplained == 0
@@ -143,7 +156,7 @@ def check_file(path: Path, backend: str) -> dict:
     return report
 
 
-def compact_on_reference_keep(z: dict, layer: int, cfg: CompressionConfig, tables: np.ndarray,
+def compact_on_reference_keep(z: dict, layer: int, cfg: CompressionConfig, tables: np.ndarray, budget_blocks: int,
                               backend: str) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Compaction alone, on the reference's keep flags (and its global score when enabled)."""
     score_cache = None
@@ -153,12 +166,13 @@ def compact_on_reference_keep(z: dict, layer: int, cfg: CompressionConfig, table
             for w in range(int((z["block_tables"][b] != -1).sum())):
                 score_cache[row[w]] = z["global_score"][layer, b, :, w].T
         score_cache = jnp.asarray(score_cache)
-    args = (jnp.asarray(z["k_cache_in"][layer]), jnp.asarray(z["v_cache_in"][layer]), score_cache,
-            jnp.asarray(z["keep"][layer]), jnp.asarray(tables),
-            jnp.asarray(z["target_block_tables"][:, : cfg.budget_blocks], jnp.int32))
-    if backend == "xla":
-        return compact_reference(*args)
-    return compact(*args, interpret=backend == "pallas-interpret")
+    pools = [jnp.asarray(z["k_cache_in"][layer]), jnp.asarray(z["v_cache_in"][layer])]
+    pools += [] if score_cache is None else [score_cache]
+    args = (pools, jnp.asarray(z["keep"][layer]), jnp.asarray(tables),
+            jnp.asarray(z["target_block_tables"][:, :budget_blocks], jnp.int32))
+    out = compact_reference(*args) if backend == "xla" else compact(
+        *args, interpret=backend == "pallas-interpret")
+    return out[0], out[1], (out[2] if score_cache is not None else None)
 
 
 def _max_abs_err(ours: np.ndarray, ref: np.ndarray) -> float:
