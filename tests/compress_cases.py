@@ -2,11 +2,60 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from zipage_jax.config import CompressionConfig
+from zipage_jax.compress.policies import POLICIES, CompressRows, compress_rows
+from zipage_jax.compress.scoring import score_layer
+from zipage_jax.compress.step import LayerPools
+from zipage_jax.config import EngineConfig
+
+@dataclass(frozen=True)
+class CaseConfig:
+    """One test case's compression setting: the engine's scoring options, one budget and one
+    policy for every sequence of the batch (sink_len 0 and recent_fraction None: the policy's own)."""
+
+    budget_blocks: int
+    block_size: int
+    query_cache_len: int = 16
+    use_global_score: bool = False
+    decay_factor: float = 0.8
+    max_norm: bool = False
+    enable_pooling: bool = False
+    continues_pooling: bool = False
+    pooling_size: int = 5
+    redundancy: str = "none"
+    redundancy_lambda: float = 0.2
+    redundancy_temperature: float = 0.4
+    redundancy_threshold: float = 0.5
+    sink_len: int = 0
+    eviction_policy: str = "zipage"
+    recent_fraction: float = 0.75
+
+    @property
+    def budget_tokens(self) -> int:
+        return self.budget_blocks * self.block_size
+
+    def engine(self) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        shared = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
+        shared.update(kvcache_block_size=self.block_size, sink_len=self.sink_len or None)
+        return EngineConfig(**shared)
+
+    def compression(self):
+        return self.engine().compression()
+
+    def rows(self, num_blocks) -> CompressRows:
+        """The batch's per-row arrays: padding rows (no blocks) keep nothing."""
+        n = len(num_blocks)
+        opts = self.engine().policy_options(self.eviction_policy)
+        return compress_rows([POLICIES[self.eviction_policy]] * n, [opts] * n,
+                             [self.budget_tokens if b else 0 for b in num_blocks], self.query_cache_len)
 
 HEAD_DIM = 16
 NUM_KV_HEADS = 2
@@ -25,7 +74,7 @@ class Case:
     target_tables: np.ndarray  # [B, M + 1] int32
 
 
-def make_case(seed: int, cfg: CompressionConfig, group: int, extra_blocks=(0, 0, 2),
+def make_case(seed: int, cfg: CaseConfig, group: int, extra_blocks=(0, 0, 2),
               compressed=(False, True, False), padding_rows: int = 1) -> Case:
     """Sequences of `M + 1 + extra` full blocks at shuffled blocks, then padding rows.
 
@@ -81,7 +130,7 @@ class SpecResult:
 _STAGES = ("attn", "global_score", "pooled", "redundancy", "final", "keep")
 
 
-def spec_scores(case: Case, cfg: CompressionConfig) -> SpecResult:
+def spec_scores(case: Case, cfg: CaseConfig) -> SpecResult:
     """ALGORITHM.md section 3, one sequence and one head at a time, in float64."""
     res = SpecResult([], [], [], [], [], [], case.score_cache.astype(np.float64))
     for b, n in enumerate(case.num_blocks):
@@ -162,3 +211,37 @@ def _spec_redundancy(keys, cfg):  # keys: [T, D] -> softmaxed redundancy [T]
     z = logits / (cfg.redundancy_temperature * span)
     e = np.exp(z - z.max())
     return e / e.sum()
+
+
+def score_case(case: Case, cfg: CaseConfig, backend: str = "xla", rows: CompressRows | None = None):
+    """score_layer on a case (each row at the case's budget and policy, or `rows`): (stages, score cache)."""
+    score_cache = jnp.asarray(case.score_cache) if cfg.use_global_score else None
+    stages, score_cache = _score(
+        jnp.asarray(case.k_pool), jnp.asarray(case.v_pool), jnp.asarray(case.query_cache[case.query_ids]),
+        jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks), jnp.asarray(case.compressed), score_cache,
+        cfg.rows(case.num_blocks) if rows is None else rows, cfg.compression(), backend)
+    return jax.tree.map(np.asarray, stages), score_cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def _score(k_pool, v_pool, queries, block_tables, num_blocks, compressed, score_cache, rows, cfg, backend):
+    return score_layer(k_pool, v_pool, queries, block_tables, num_blocks, compressed, score_cache, rows, cfg,
+                       backend)
+
+
+def compress_args(case: Case, cfg: CaseConfig, pools: list | None = None) -> tuple:
+    """The arguments of compress.step.compress for a one-layer case (pools: LayerPools list)."""
+    nan_free = lambda x: jnp.asarray(np.nan_to_num(x))  # noqa: E731  (compaction copies NaN padding bytes)
+    if pools is None:
+        pools = [LayerPools(nan_free(case.k_pool), nan_free(case.v_pool),
+                            nan_free(case.score_cache) if cfg.use_global_score else None)]
+    return (pools, [jnp.asarray(case.query_cache)], jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks),
+            jnp.asarray(case.query_ids), jnp.asarray(case.compressed), jnp.asarray(wide_targets(case)),
+            cfg.rows(case.num_blocks), cfg.compression())
+
+
+def wide_targets(case: Case) -> np.ndarray:
+    """The case's target tables [B, M + 1] padded with the dummy block to the tables' width."""
+    targets = np.zeros(case.block_tables.shape, np.int32)
+    targets[:, :case.target_tables.shape[1]] = case.target_tables
+    return targets

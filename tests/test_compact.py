@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from compact_cases import PATTERNS, compaction_case, num_pool_blocks
-from compress_cases import NUM_KV_HEADS, make_case
+from compress_cases import CaseConfig, NUM_KV_HEADS, compress_args, make_case
+from pallas_kernels import kv_quant
 from pallas_kernels.compact import _chunk_rows, compact, compact_reference
-from zipage_jax.compress.step import compress, compress_layer
-from zipage_jax.config import CompressionConfig
+from zipage_jax.compress.step import LayerPools, compress, compress_layer
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -48,7 +48,7 @@ def _random_keep(case, cfg, seed):
 
 @pytest.mark.parametrize("block_size,with_scores", [(16, True), (32, False), (64, True)])
 def test_compact_moves_kept_tokens_in_order(block_size, with_scores):
-    cfg = CompressionConfig(budget_blocks=3 if block_size == 16 else 2, block_size=block_size)
+    cfg = CaseConfig(budget_blocks=3 if block_size == 16 else 2, block_size=block_size)
     case = make_case(block_size, cfg, 1)
     keep = _random_keep(case, cfg, block_size)
     befores = [case.k_pool, case.v_pool] + ([case.score_cache] if with_scores else [])
@@ -106,7 +106,7 @@ def test_chunk_rows():
 
 
 def test_compact_checks_shapes():
-    cfg = CompressionConfig(budget_blocks=1, block_size=16)
+    cfg = CaseConfig(budget_blocks=1, block_size=16)
     case = make_case(0, cfg, 1)
     keep = jnp.asarray(_random_keep(case, cfg, 0))
     k, v = jnp.asarray(case.k_pool), jnp.asarray(case.v_pool)
@@ -140,48 +140,63 @@ def _layers(case, seed, num_layers=2):
 
 
 def test_compress_step_donated_backends_agree():
-    cfg = CompressionConfig(budget_blocks=2, block_size=16, query_cache_len=8, use_global_score=True,
-                            enable_pooling=True, redundancy="lightning")
+    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=8, use_global_score=True,
+                     enable_pooling=True, redundancy="lightning")
     case = make_case(5, cfg, 2)
     layers = _layers(case, 5)
-    batch_args = dict(
-        block_tables=jnp.asarray(case.block_tables), num_blocks=jnp.asarray(case.num_blocks),
-        query_ids=jnp.asarray(case.query_ids), compressed=jnp.asarray(case.compressed),
-        target_tables=jnp.asarray(case.target_tables),
-    )
-    step = jax.jit(compress, static_argnames=("cfg", "backend"),
-                   donate_argnames=("k_pools", "v_pools", "score_caches"))
+    _, queries, *batch, rows, compression = compress_args(case, cfg)
+    queries = [jnp.asarray(q) for q in layers["q"]]
+    step = jax.jit(compress, static_argnames=("cfg", "backend"), donate_argnames=("layers",))
     results = {}
     for backend in ("xla", "pallas-interpret"):
-        k_pools = [jnp.asarray(x) for x in layers["k"]]
+        pools = [LayerPools(*(jnp.asarray(layers[key][i]) for key in "kvs")) for i in range(len(layers["k"]))]
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # "donated buffers were not usable"
-            results[backend] = step(k_pools, *([jnp.asarray(x) for x in layers[key]] for key in "vsq"),
-                                    **batch_args, cfg=cfg, backend=backend)
-        assert all(x.is_deleted() for x in k_pools)
+            results[backend] = step(pools, queries, *batch, rows, cfg=compression, backend=backend)
+        assert all(p.k.is_deleted() for p in pools)
     one_layer = jax.jit(compress_layer, static_argnames=("cfg", "backend"))
     targets = case.target_tables[:, : cfg.budget_blocks]
     for layer in range(len(layers["k"])):
-        k, v, s, stages = one_layer(
-            *(jnp.asarray(layers[key][layer]) for key in "kvsq"), **batch_args, cfg=cfg,
-        )
+        pools = LayerPools(*(jnp.asarray(layers[key][layer]) for key in "kvs"))
+        (k, v, s, _, _), stages = one_layer(pools, queries[layer], *batch, rows, cfg=compression)
         keep = np.asarray(stages.keep)
         assert _same_bits(k, _twin(layers["k"][layer], keep, case.block_tables, targets))
-        for backend, (ks, vs, ss) in results.items():
-            assert _same_bits(ks[layer], k) and _same_bits(vs[layer], v), backend
-            np.testing.assert_allclose(np.asarray(ss[layer]), np.asarray(s), rtol=0, atol=1e-6)
+        for backend, out in results.items():
+            assert _same_bits(out[layer].k, k) and _same_bits(out[layer].v, v), backend
+            np.testing.assert_allclose(np.asarray(out[layer].scores), np.asarray(s), rtol=0, atol=1e-6)
+
+
+def test_compress_step_moves_quantization_scales_with_their_tokens():
+    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4)
+    case = make_case(7, cfg, 2)
+    k, v = (jnp.asarray(np.nan_to_num(x), jnp.float32) for x in (case.k_pool, case.v_pool))
+    (kq, ks), (vq, vs) = kv_quant.quantize(k, jnp.int8), kv_quant.quantize(v, jnp.int8)
+    pools = [LayerPools(kq, vq, None, ks, vs)]
+    out = compress(*compress_args(case, cfg, pools), backend="xla")[0]
+    query_caches, *rest = compress_args(case, cfg)[1:]
+    one_layer = jax.jit(compress_layer, static_argnames=("cfg", "backend"))
+    _, stages = one_layer(pools[0], query_caches[0], *rest)
+    keep = np.asarray(stages.keep)
+    targets = case.target_tables[:, : cfg.budget_blocks]
+    for moved, before in ((out.k, kq), (out.k_scales, ks), (out.v_scales, vs)):
+        assert _same_bits(moved, _twin(np.asarray(before), keep, case.block_tables, targets))
+    # the scores used the dequantized keys: the same keep as scoring the dequantized pools
+    dk, dv = kv_quant.dequantize(kq, ks, jnp.float32), kv_quant.dequantize(vq, vs, jnp.float32)
+    _, plain = one_layer(LayerPools(dk, dv), query_caches[0], *rest)
+    np.testing.assert_array_equal(np.asarray(plain.keep), keep)
 
 
 def test_compress_step_checks_inputs():
-    cfg = CompressionConfig(budget_blocks=1, block_size=16, query_cache_len=4, use_global_score=True)
+    cfg = CaseConfig(budget_blocks=1, block_size=16, query_cache_len=4, use_global_score=True)
     case = make_case(6, cfg, 1)
-    args = ([jnp.asarray(case.k_pool)], [jnp.asarray(case.v_pool)], [jnp.asarray(case.score_cache)],
-            [jnp.asarray(case.query_cache)], jnp.asarray(case.block_tables),
-            jnp.asarray(case.num_blocks), jnp.asarray(case.query_ids), jnp.asarray(case.compressed))
-    targets = jnp.asarray(case.target_tables)
+    pools, queries, tables, num_blocks, query_ids, compressed, targets, rows, compression = compress_args(case, cfg)
     with pytest.raises(ValueError, match="backend"):
-        compress(*args, targets, cfg, backend="cuda")
+        compress(pools, queries, tables, num_blocks, query_ids, compressed, targets, rows, compression, backend="cuda")
     with pytest.raises(ValueError, match="target_tables"):
-        compress(*args, targets[:, :1], cfg)
-    with pytest.raises(ValueError, match="score_caches"):
-        compress(*args[:2], None, *args[3:], targets, cfg)
+        compress(pools, queries, tables, num_blocks, query_ids, compressed, targets[:, :1], rows, compression)
+    with pytest.raises(ValueError, match="score cache"):
+        compress([pools[0]._replace(scores=None)], queries, tables, num_blocks, query_ids, compressed, targets, rows,
+                 compression)
+    with pytest.raises(ValueError, match="rows.budget"):
+        compress(pools, queries, tables, num_blocks, query_ids, compressed, targets,
+                 rows._replace(budget=rows.budget[:1]), compression)

@@ -8,29 +8,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compress_cases import NUM_KV_HEADS, make_case, spec_scores
-from zipage_jax.compress.scoring import score_layer
+from compress_cases import CaseConfig, NUM_KV_HEADS, compress_args, make_case, score_case, spec_scores
+from zipage_jax.compress.policies import POLICIES, PolicyOptions
 from zipage_jax.compress.step import compress
-from zipage_jax.config import CompressionConfig, EngineConfig
+from zipage_jax.config import EngineConfig
 
 TOL = 1e-5
 
 CASES = {  # (config, query heads per kv head)
-    "window": (CompressionConfig(budget_blocks=2, block_size=16, query_cache_len=4, eviction_policy="window"), 2),
-    "window_global_pool_sinks": (CompressionConfig(
+    "window": (CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, eviction_policy="window"), 2),
+    "window_global_pool_sinks": (CaseConfig(
         budget_blocks=3, block_size=16, query_cache_len=8, use_global_score=True, enable_pooling=True, sink_len=2,
         recent_fraction=0.25, eviction_policy="window"), 3),
-    "window_lightning": (CompressionConfig(
+    "window_lightning": (CaseConfig(
         budget_blocks=2, block_size=32, query_cache_len=8, redundancy="lightning", recent_fraction=0.0,
         eviction_policy="window"), 1),
-    "vnorm_window": (CompressionConfig(
+    "vnorm_window": (CaseConfig(
         budget_blocks=2, block_size=16, query_cache_len=8, recent_fraction=0.3, eviction_policy="vnorm-window"), 2),
 }
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _score(k_pool, v_pool, queries, block_tables, num_blocks, compressed, score_cache, cfg):
-    return score_layer(k_pool, queries, block_tables, num_blocks, compressed, score_cache, cfg, "xla", v_pool)
 
 
 def _numpy_policy(case, cfg, b, n):
@@ -63,9 +58,7 @@ def _numpy_policy(case, cfg, b, n):
 def test_policy_matches_numpy(name):
     cfg, group = CASES[name]
     case = make_case(5, cfg, group)
-    stages, _ = _score(jnp.asarray(case.k_pool), jnp.asarray(case.v_pool), jnp.asarray(case.query_cache[case.query_ids]),
-                       jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks), jnp.asarray(case.compressed),
-                       jnp.asarray(case.score_cache) if cfg.use_global_score else None, cfg)
+    stages, _ = score_case(case, cfg)
     final_all, keep_all = np.asarray(stages.final), np.asarray(stages.keep)
     for b, n in enumerate(case.num_blocks):
         if n == 0:
@@ -85,9 +78,7 @@ def test_window_keeps_the_recent_share_of_the_budget():
     cfg, group = CASES["window"]
     cfg = dataclasses.replace(cfg, recent_fraction=0.5)
     case = make_case(6, cfg, group)
-    stages, _ = _score(jnp.asarray(case.k_pool), jnp.asarray(case.v_pool), jnp.asarray(case.query_cache[case.query_ids]),
-                       jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks), jnp.asarray(case.compressed),
-                       None, cfg)
+    stages, _ = score_case(case, cfg)
     for b, n in enumerate(case.num_blocks[case.num_blocks > 0]):
         keep = np.asarray(stages.keep)[b, :, :n].reshape(NUM_KV_HEADS, -1)
         assert keep[:, :4].all() and keep[:, -cfg.budget_tokens // 2:].all()
@@ -95,26 +86,33 @@ def test_window_keeps_the_recent_share_of_the_budget():
 
 @pytest.mark.parametrize("policy", ["window", "vnorm-window"])
 def test_compress_pallas_matches_xla(policy):
-    cfg = CompressionConfig(budget_blocks=2, block_size=16, query_cache_len=4, use_global_score=True,
+    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, use_global_score=True,
                             enable_pooling=True, eviction_policy=policy)
     case = make_case(7, cfg, 2)
-    nan_free = lambda x: jnp.asarray(np.nan_to_num(x))  # noqa: E731  (compaction copies NaN padding bytes)
-    args = ([nan_free(case.k_pool)], [nan_free(case.v_pool)], [nan_free(case.score_cache)],
-            [jnp.asarray(case.query_cache)], jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks),
-            jnp.asarray(case.query_ids), jnp.asarray(case.compressed), jnp.asarray(case.target_tables), cfg)
+    args = compress_args(case, cfg)
     xla = compress(*args, backend="xla")
     pallas = compress(*args, backend="pallas-interpret")
     for a, b in zip(jax.tree.leaves(xla), jax.tree.leaves(pallas)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
-def test_vnorm_needs_values():
-    cfg, group = CASES["vnorm_window"]
-    case = make_case(8, cfg, group)
-    with pytest.raises(ValueError, match="v_pool"):
-        score_layer(jnp.asarray(case.k_pool), jnp.asarray(case.query_cache[case.query_ids]),
-                    jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks), jnp.asarray(case.compressed),
-                    None, cfg)
+def test_mixed_policies_and_budgets_in_one_batch_match_each_alone():
+    # one compiled step: every row keeps what a batch of its own policy and budget keeps
+    base = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, use_global_score=True)
+    case = make_case(9, base, 2, extra_blocks=(0, 1, 2, 2), compressed=(False, True, False, True))
+    settings = [("zipage", 2), ("window", 1), ("vnorm-window", 2), ("streaming", 3)]
+    alone = []
+    for b, (policy, budget) in enumerate(settings):
+        cfg = dataclasses.replace(base, eviction_policy=policy, budget_blocks=budget)
+        alone.append(score_case(case, cfg)[0].keep[b])
+    rows = [dataclasses.replace(base, eviction_policy=p, budget_blocks=m).rows(case.num_blocks[b:b + 1])
+            for b, (p, m) in enumerate(settings)]
+    mixed_rows = type(rows[0])(*(np.concatenate([getattr(r, f) for r in rows] + [np.zeros(1, np.int32)])
+                                 for f in rows[0]._fields))
+    stages, _ = score_case(case, base, rows=mixed_rows)
+    for b, keep in enumerate(alone):
+        np.testing.assert_array_equal(stages.keep[b], keep)
+        assert stages.keep[b].reshape(NUM_KV_HEADS, -1).sum(axis=1).tolist() == [settings[b][1] * 16] * NUM_KV_HEADS
 
 
 @pytest.mark.parametrize("options, message", [
@@ -128,5 +126,9 @@ def test_bad_policy_options_raise(options, message):
 
 
 def test_engine_config_passes_policy_options_on():
-    cfg = EngineConfig(kvcache_block_size=16, eviction_policy="vnorm-window", recent_fraction=0.25).compression(3)
-    assert (cfg.eviction_policy, cfg.recent_fraction, cfg.budget_tokens) == ("vnorm-window", 0.25, 48)
+    engine = EngineConfig(kvcache_block_size=16, eviction_policy="vnorm-window", recent_fraction=0.25, sink_len=2)
+    assert engine.policy_options("window") == PolicyOptions(sinks=2, recent_fraction=0.25)
+    assert engine.policy_options("zipage") == PolicyOptions(sinks=2, recent_fraction=0.0)  # no recent window
+    assert EngineConfig().policy_options("streaming") == POLICIES["streaming"].defaults
+    cfg = engine.compression()
+    assert (cfg.block_size, cfg.use_global_score) == (16, True)  # the engine's own defaults, in one place

@@ -1,3 +1,4 @@
+import dataclasses
 import re
 from collections import Counter
 
@@ -6,22 +7,48 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from zipage_jax.engine import sampling_batch
+from zipage_jax.engine.sampling_batch import SamplingRow
 from zipage_jax.layers import sampler
-from zipage_jax.layers.sampler import SamplerFlags, SamplingBatch, SamplingRow, sample
+from zipage_jax.layers.sampler import SamplerState, record_inputs, sample
 from zipage_jax.sampling_params import SamplingParams as SP
 
 V = 300  # not a multiple of 128: exercises the padding
+SUPPRESS = 8
 
 
 def _logits(b: int, v: int = V, scale: float = 3.0, seed: int = 0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((b, v)) * scale).astype(np.float32)
 
 
-def _run(logits: np.ndarray, rows: list[SamplingRow], batch_size: int | None = None):
-    batch, flags = SamplingBatch.build(rows, batch_size or len(rows))
-    padded = np.zeros((batch.temperature.shape[0], logits.shape[1]), np.float32)
+def _row(sp: SP, seed: int, **fields) -> SamplingRow:
+    return SamplingRow(sp, seed=seed, **fields)
+
+
+def _batch(rows: list[SamplingRow], batch_size: int, vocab: int = V):
+    # row i uses state slot i; the padding slot is batch_size
+    rows = [dataclasses.replace(r, slot=i) for i, r in enumerate(rows)]
+    return sampling_batch.build(rows, batch_size, suppress_width=SUPPRESS, pad_slot=batch_size, vocab_size=vocab)
+
+
+def _state(histories: dict[int, tuple[list[int], list[int]]], batch_size: int, vocab: int = V) -> SamplerState:
+    """Slot i has seen prompt + output tokens histories[i], counted as the engine counts them."""
+    state = SamplerState.zeros(batch_size, vocab)
+    for i, (prompt, output) in histories.items():
+        tokens = np.array([prompt + output], np.int32)
+        state = record_inputs(state, tokens, np.arange(tokens.shape[1], dtype=np.int32)[None], tokens >= 0,
+                              np.array([i], np.int32), np.array([len(prompt)], np.int32), np.array([True]))
+    return state
+
+
+def _run(logits: np.ndarray, rows: list[SamplingRow], batch_size: int | None = None,
+         histories: dict[int, tuple[list[int], list[int]]] | None = None):
+    b = batch_size or len(rows)
+    batch = _batch(rows, b, logits.shape[1])
+    padded = np.zeros((b, logits.shape[1]), np.float32)
     padded[: len(logits)] = logits
-    return jax.device_get(sample(jnp.asarray(padded), batch, flags)), flags
+    out, _ = sample(jnp.asarray(padded), batch, _state(histories or {}, b, logits.shape[1]))
+    return jax.device_get(out)
 
 
 def _support(x: np.ndarray, sp: SP) -> set[int]:
@@ -56,8 +83,7 @@ def test_greedy_is_argmax_with_first_index_on_ties():
     x = _logits(5)
     x[1, [17, 250]] = 100.0  # tie: the first index wins, as jnp.argmax
     x[2, 299] = 100.0  # the last real token, next to the padding
-    out, flags = _run(x, [SamplingRow(SP(temperature=0), seed=0)] * 5, batch_size=8)
-    assert flags == SamplerFlags()
+    out = _run(x, [_row(SP(temperature=0), seed=0)] * 5, batch_size=8)
     np.testing.assert_array_equal(out.token_ids[:5], np.argmax(x, axis=-1))
     assert out.token_ids[1] == 17 and out.token_ids[2] == 299
 
@@ -66,42 +92,42 @@ def test_greedy_rows_in_a_random_batch_are_argmax():
     x = _logits(6)
     x[4, [9, 40]] = 50.0
     params = [SP(temperature=0), SP(temperature=0.9, top_p=0.8)] * 3
-    out, flags = _run(x, [SamplingRow(sp, seed=i) for i, sp in enumerate(params)])
-    assert flags.any_random and flags.any_top_k_p
+    out = _run(x, [_row(sp, seed=i) for i, sp in enumerate(params)])
     np.testing.assert_array_equal(out.token_ids[::2], np.argmax(x[::2], axis=-1))
     assert out.token_ids[4] == 9
 
 
-def test_all_greedy_compiles_to_argmax_and_top_p_never_sorts():
+def test_one_compiled_sampler_serves_every_mix_and_never_sorts():
     x = jnp.asarray(_logits(4))
-    for rows, absent, present in [
-        ([SP(temperature=0)] * 4, ("top_k", "cumsum", "sort", "random_bits", "threefry2x32"), ("argmax",)),
-        ([SP(temperature=0.7, top_p=0.9)] * 4, ("sort",), ("top_k",)),
-        ([SP(temperature=0.7)] * 4, ("sort", "top_k"), ("cumsum",)),
-    ]:
-        batch, flags = SamplingBatch.build([SamplingRow(sp, seed=1) for sp in rows], 4)
-        ops = set(re.findall(r"= (\w+)[\[ ]", str(jax.make_jaxpr(lambda x, b: sample(x, b, flags))(x, batch))))
-        assert not ops & set(absent) and ops >= set(present), (flags, ops)
+    state = _state({}, 4)
+    mixes = [[SP(temperature=0)] * 4, [SP(temperature=0.7, top_p=0.9)] * 4, [SP(temperature=0.7, top_k=5)] * 4,
+             [SP(repetition_penalty=1.2, logprobs=3), SP(temperature=0), SP(min_tokens=1, max_tokens=2), SP()]]
+    before = sample._cache_size()
+    for params in mixes:
+        batch = _batch([_row(sp, seed=1) for sp in params], 4)
+        sample(x, batch, state)
+    assert sample._cache_size() - before <= 1  # options are values, not compile-time flags
+    ops = set(re.findall(r"= (\w+)[\[ ]", str(jax.make_jaxpr(sample)(x, batch, state))))
+    assert "sort" not in ops and "cond" in ops  # costly stages run only when a row needs them
 
 
 @pytest.mark.parametrize("extra", [{}, {"top_p": 0.5}, {"min_p": 0.2}])
 def test_top_k_1_is_greedy(extra):
     x = _logits(8)
-    rows = [SamplingRow(SP(temperature=1.5, top_k=1, **extra), seed=i, step=3) for i in range(8)]
-    out, _ = _run(x, rows)
+    rows = [_row(SP(temperature=1.5, top_k=1, **extra), seed=i, step=3) for i in range(8)]
+    out = _run(x, rows)
     np.testing.assert_array_equal(out.token_ids, np.argmax(x, axis=-1))
 
 
 def test_tiny_top_p_keeps_only_the_top_token():
     x = _logits(8, scale=0.3)  # flat: the top token holds well under 1% of the mass
-    out, _ = _run(x, [SamplingRow(SP(top_p=1e-6), seed=i) for i in range(8)])
+    out = _run(x, [_row(SP(top_p=1e-6), seed=i) for i in range(8)])
     np.testing.assert_array_equal(out.token_ids, np.argmax(x, axis=-1))
 
 
 def test_min_p_one_keeps_only_the_top_token():
     x = _logits(8)
-    out, flags = _run(x, [SamplingRow(SP(temperature=2.0, min_p=1.0), seed=i) for i in range(8)])
-    assert not flags.any_top_k_p
+    out = _run(x, [_row(SP(temperature=2.0, min_p=1.0), seed=i) for i in range(8)])
     np.testing.assert_array_equal(out.token_ids, np.argmax(x, axis=-1))
 
 
@@ -113,24 +139,24 @@ def test_seeded_rows_reproducible_regardless_of_batch():
               SP(temperature=0.5, frequency_penalty=1.0), SP(), SP(min_p=0.3), SP(temperature=0, logprobs=3)]
     for row_logits in (x[0], x[3]):  # a row the candidates cover, a row that needs the bisection
         for step in range(3):
-            alone, _ = _run(row_logits[None], [SamplingRow(target, seed=1234, step=step)])
+            alone = _run(row_logits[None], [_row(target, seed=1234, step=step)])
             for position in (0, 5):
-                rows = [SamplingRow(sp, seed=i, step=9, token_ids=[1, 2, 2], num_prompt_tokens=1)
-                        for i, sp in enumerate(others)]
-                rows.insert(position, SamplingRow(target, seed=1234, step=step))
+                rows = [_row(sp, seed=i, step=9, num_prompt_tokens=1) for i, sp in enumerate(others)]
+                rows.insert(position, _row(target, seed=1234, step=step))
                 batch_logits = np.insert(np.delete(x, position, axis=0), position, row_logits, axis=0)
-                mixed, _ = _run(batch_logits, rows, batch_size=16)
+                histories = {i: ([1], [2, 2]) for i in range(len(rows)) if i != position}
+                mixed = _run(batch_logits, rows, batch_size=16, histories=histories)
                 assert mixed.token_ids[position] == alone.token_ids[0], (step, position)
 
 
 def test_seed_and_step_change_the_draw():
     x = np.zeros((1, V), np.float32)  # uniform: every token equally likely
-    draws = {int(_run(x, [SamplingRow(SP(), seed=s, step=t)])[0].token_ids[0]) for s in range(4) for t in range(4)}
+    draws = {int(_run(x, [_row(SP(), seed=s, step=t)]).token_ids[0]) for s in range(4) for t in range(4)}
     assert len(draws) >= 12  # 16 draws from 300 tokens: collisions are rare
-    again = {int(_run(x, [SamplingRow(SP(), seed=s, step=t)])[0].token_ids[0]) for s in range(4) for t in range(4)}
+    again = {int(_run(x, [_row(SP(), seed=s, step=t)]).token_ids[0]) for s in range(4) for t in range(4)}
     assert draws == again
-    wrapped = _run(x, [SamplingRow(SP(), seed=2**32 + 3, step=1)])[0].token_ids[0]
-    assert wrapped == _run(x, [SamplingRow(SP(), seed=3, step=1)])[0].token_ids[0]
+    wrapped = _run(x, [_row(SP(), seed=2**32 + 3, step=1)]).token_ids[0]
+    assert wrapped == _run(x, [_row(SP(), seed=3, step=1)]).token_ids[0]
 
 
 @pytest.mark.parametrize("sp", [SP(temperature=0.7), SP(temperature=1.0, top_k=4), SP(temperature=1.2, top_p=0.7),
@@ -143,7 +169,7 @@ def test_draws_follow_the_filtered_distribution(sp):
     p /= p.sum()
     counts = np.zeros(v)
     for step in range(steps):
-        out, _ = _run(np.tile(x, (n, 1)), [SamplingRow(sp, seed=i, step=step) for i in range(n)])
+        out = _run(np.tile(x, (n, 1)), [_row(sp, seed=i, step=step) for i in range(n)])
         counts += np.bincount(out.token_ids, minlength=v)
     total = n * steps
     assert set(np.flatnonzero(counts)) <= keep
@@ -160,7 +186,7 @@ def test_kept_set_matches_numpy(sp, vocab, scale):
     """The threshold the sampler keeps p >= ..., against a sorting numpy twin, through the candidate
     path and the bisection path (a flat 5000-token row, top_k=150 > the 64 candidates)."""
     x = _logits(4, vocab, scale, seed=7)
-    batch, _ = SamplingBatch.build([SamplingRow(sp, seed=0)] * 4, 4)
+    batch = _batch([_row(sp, seed=0)] * 4, 4, vocab)
     scaled = jnp.asarray(x) / sp.temperature
     p = jnp.pad(jnp.exp(scaled - scaled.max(-1, keepdims=True)), ((0, 0), (0, -vocab % 128)))  # as sample pads
     threshold = np.asarray(jnp.maximum(jax.jit(sampler._top_k_p_threshold)(p, batch.top_k, batch.top_p), batch.min_p))
@@ -173,7 +199,7 @@ def test_draws_stay_in_the_kept_set():
     x = _logits(16, 5000, 0.3, seed=5)
     params = [SP(temperature=0.9, top_p=0.9), SP(top_k=200), SP(top_k=30, top_p=0.5), SP(min_p=0.9)] * 4
     for step in range(3):
-        out, _ = _run(x, [SamplingRow(sp, seed=i, step=step) for i, sp in enumerate(params)])
+        out = _run(x, [_row(sp, seed=i, step=step) for i, sp in enumerate(params)])
         for row, sp in enumerate(params):
             assert out.token_ids[row] in _support(x[row], sp)
 
@@ -184,12 +210,11 @@ def test_penalties_match_the_formulas():
               SP(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.5), SP()]
     x = _logits(5)
     x[:, [3, 5, 9]] = [2.0, -1.5, 0.0]  # positive, negative and zero logits among the seen tokens
-    rows = [SamplingRow(sp, seed=0, step=len(output), token_ids=prompt + output, num_prompt_tokens=len(prompt))
-            for sp in params]
-    batch, flags = SamplingBatch.build(rows, 8)
-    assert flags.any_penalty and batch.history.shape == (8, 16)  # history bucketed to a power of two
+    rows = [_row(sp, seed=0, step=len(output), num_prompt_tokens=len(prompt)) for sp in params]
+    batch = _batch(rows, 8)
+    state = _state({i: (prompt, output) for i in range(5)}, 8)  # the counts the engine keeps on the device
     padded = jnp.pad(jnp.asarray(np.concatenate([x, np.zeros((3, V), np.float32)])), ((0, 0), (0, 84)))
-    got = np.asarray(sampler._penalise(padded, batch))[:5, :V]
+    got = np.asarray(sampler._penalise(padded, batch, state))[:5, :V]
     for row, sp in enumerate(params):
         np.testing.assert_allclose(got[row], _penalised(x[row], sp, prompt, output), rtol=1e-6, atol=1e-6)
 
@@ -197,25 +222,24 @@ def test_penalties_match_the_formulas():
 def test_penalties_steer_greedy_choice():
     x = np.zeros((2, V), np.float32)
     x[:, 10], x[:, 11] = 2.0, 1.5
-    rows = [SamplingRow(SP(temperature=0, frequency_penalty=0.3), seed=0, token_ids=[1, 10, 10], num_prompt_tokens=1),
-            SamplingRow(SP(temperature=0, repetition_penalty=1.5), seed=0, token_ids=[10, 4], num_prompt_tokens=1)]
-    out, _ = _run(x, rows)
+    rows = [_row(SP(temperature=0, frequency_penalty=0.3), seed=0, num_prompt_tokens=1),
+            _row(SP(temperature=0, repetition_penalty=1.5), seed=0, num_prompt_tokens=1)]
+    out = _run(x, rows, histories={0: ([1], [10, 10]), 1: ([10], [4])})
     assert out.token_ids.tolist() == [11, 11]  # 2 - 0.6 < 1.5, and 2 / 1.5 < 1.5
 
 
 def test_min_tokens_suppression():
     x = _logits(4)
     x[:, 7] = 30.0  # "EOS" dominates every row
-    rows = [SamplingRow(SP(temperature=0), seed=0, suppress_ids=(7,)),
-            SamplingRow(SP(temperature=0), seed=0),
-            SamplingRow(SP(), seed=1, suppress_ids=(7, 8)),
-            SamplingRow(SP(), seed=2)]
-    out, flags = _run(x, rows)
-    assert flags.any_suppress
+    rows = [_row(SP(temperature=0), seed=0, suppress_ids=(7,)),
+            _row(SP(temperature=0), seed=0),
+            _row(SP(), seed=1, suppress_ids=(7, 8)),
+            _row(SP(), seed=2)]
+    out = _run(x, rows)
     assert out.token_ids[0] == np.argmax(np.where(np.arange(V) == 7, -np.inf, x[0]))
     assert out.token_ids[1] == 7 and out.token_ids[3] == 7 and out.token_ids[2] not in (7, 8)
     for step in range(20):
-        out, _ = _run(np.tile(x[2], (2, 1)), [SamplingRow(SP(temperature=5.0, top_p=0.99), seed=s, step=step,
+        out = _run(np.tile(x[2], (2, 1)), [_row(SP(temperature=5.0, top_p=0.99), seed=s, step=step,
                                                           suppress_ids=(7, 8)) for s in range(2)])
         assert not set(out.token_ids.tolist()) & {7, 8}
 
@@ -223,15 +247,14 @@ def test_min_tokens_suppression():
 @pytest.mark.parametrize("vocab", [V, 5000])
 def test_logprobs_are_raw_log_softmax(vocab):
     x = _logits(4, vocab)
-    rows = [SamplingRow(SP(temperature=0, logprobs=5), seed=0),
-            SamplingRow(SP(temperature=0.5, top_k=3, repetition_penalty=1.5), seed=1, token_ids=[1, 2]),
-            SamplingRow(SP(temperature=1.0, logprobs=0), seed=2),
-            SamplingRow(SP(temperature=0, logprobs=2), seed=3, suppress_ids=(int(np.argmax(x[3])),))]
-    out, flags = _run(x, rows)
-    assert flags.num_logprobs == 8  # bucketed up from 5
+    rows = [_row(SP(temperature=0, logprobs=5), seed=0),
+            _row(SP(temperature=0.5, top_k=3, repetition_penalty=1.5), seed=1),
+            _row(SP(temperature=1.0, logprobs=0), seed=2),
+            _row(SP(temperature=0, logprobs=2), seed=3, suppress_ids=(int(np.argmax(x[3])),))]
+    out = _run(x, rows, histories={1: ([1, 2], [])})
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
     np.testing.assert_allclose(out.logprobs, ref[np.arange(4), out.token_ids], rtol=1e-5, atol=1e-5)
-    order = np.argsort(-ref, axis=-1)[:, :8]
+    order = np.argsort(-ref, axis=-1)[:, :sampler.MAX_LOGPROBS]
     np.testing.assert_array_equal(out.top_ids, order)
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, order, -1), rtol=1e-5, atol=1e-5)
     assert np.all(np.diff(out.top_logprobs, axis=-1) <= 0)
@@ -239,47 +262,65 @@ def test_logprobs_are_raw_log_softmax(vocab):
 
 def test_forced_rows_output_the_forced_token_with_its_log_softmax():
     x = _logits(3)
-    rows = [SamplingRow(SP(temperature=0), seed=0, forced_id=7),
-            SamplingRow(SP(temperature=0.8, top_k=2), seed=1, forced_id=int(np.argmin(x[1]))),
-            SamplingRow(SP(temperature=0), seed=2)]  # not forced: argmax
-    out, flags = _run(x, rows, batch_size=4)
-    assert flags.any_forced
+    rows = [_row(SP(temperature=0), seed=0, forced_id=7),
+            _row(SP(temperature=0.8, top_k=2), seed=1, forced_id=int(np.argmin(x[1]))),
+            _row(SP(temperature=0), seed=2)]  # not forced: argmax
+    out = _run(x, rows, batch_size=4)
     assert out.token_ids[:3].tolist() == [7, int(np.argmin(x[1])), int(np.argmax(x[2]))]
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
     np.testing.assert_allclose(out.logprobs[:3], ref[np.arange(3), out.token_ids[:3]], rtol=1e-5, atol=1e-5)
-    _, flags = _run(x[2:], rows[2:])
-    assert not flags.any_forced
 
 
-def test_no_logprobs_gives_empty_top_arrays():
-    out, flags = _run(_logits(2), [SamplingRow(SP(temperature=0), seed=0)] * 2)
-    assert flags.num_logprobs == 0 and out.top_ids.shape == (2, 0) and out.top_logprobs.shape == (2, 0)
+def test_no_logprobs_gives_zero_top_arrays():
+    out = _run(_logits(2), [_row(SP(temperature=0), seed=0)] * 2)
+    assert out.top_ids.shape == (2, sampler.MAX_LOGPROBS) and not out.top_ids.any() and not out.top_logprobs.any()
 
 
-def test_builder_pads_rows_and_sets_flags():
-    rows = [SamplingRow(SP(temperature=0.5, top_k=-1, logprobs=20), seed=-1, step=4),
-            SamplingRow(SP(temperature=0, top_p=0.5, top_k=3), seed=7, step=2, suppress_ids=(1, 2, 3))]
-    batch, flags = SamplingBatch.build(rows, 4)
-    assert flags == SamplerFlags(any_random=True, any_top_k_p=False, any_suppress=True, num_logprobs=20)
-    np.testing.assert_array_equal(batch.temperature, [0.5, 0, 0, 0])
-    np.testing.assert_array_equal(batch.top_k, [0, 0, 0, 0])  # -1 is off; greedy rows ignore top-k / top-p
+def test_sampling_rows_write_last_token_into_their_slots():
+    x = _logits(3)
+    rows = [_row(SP(temperature=0), seed=0), _row(SP(temperature=0), seed=0, samples=False),
+            _row(SP(temperature=0), seed=0)]
+    batch = _batch(rows, 4)
+    out, state = sample(jnp.asarray(np.concatenate([x, np.zeros((1, V), np.float32)])), batch, _state({}, 4))
+    last = np.asarray(state.last_token)
+    assert last[0] == out.token_ids[0] and last[2] == out.token_ids[2] and last[1] == 0  # row 1 does not sample
+
+
+def test_record_inputs_counts_outputs_masks_prompt_and_resets():
+    state = _state({0: ([3, 3, 4], [5, 5, 5, 3])}, 2)
+    counts, prompt = np.asarray(state.output_counts[0]), np.asarray(state.prompt_mask[0])
+    assert counts[5] == 3 and counts[3] == 1 and counts.sum() == 4
+    assert prompt[3] and prompt[4] and prompt.sum() == 2
+    # a new sequence in the same slot starts clean; padding tokens (valid False) count nothing
+    tokens = np.array([[7, 8, 0]], np.int32)
+    state = record_inputs(state, tokens, np.array([[0, 1, 2]], np.int32), np.array([[True, True, False]]),
+                          np.array([0], np.int32), np.array([1], np.int32), np.array([True]))
+    counts, prompt = np.asarray(state.output_counts[0]), np.asarray(state.prompt_mask[0])
+    assert counts.tolist() == [0] * 8 + [1] + [0] * (V - 9) and prompt.nonzero()[0].tolist() == [7]
+
+
+def test_builder_pads_rows():
+    rows = [_row(SP(temperature=0.5, top_k=-1, logprobs=20), seed=-1, step=4),
+            _row(SP(temperature=0, top_p=0.5, top_k=3), seed=7, step=2, suppress_ids=(1, 2, 3)),
+            _row(SP(temperature=1.0, top_k=10_000), seed=0)]
+    batch = _batch(rows, 4)
+    np.testing.assert_array_equal(batch.temperature, [0.5, 0, 1.0, 0])
+    np.testing.assert_array_equal(batch.top_k, [0, 0, V, 0])  # -1 is off; greedy rows ignore top-k; clamped to V
     np.testing.assert_array_equal(batch.top_p, [1, 1, 1, 1])
     np.testing.assert_array_equal(batch.seed, np.array([2**32 - 1, 7, 0, 0], np.uint32))
     np.testing.assert_array_equal(batch.step, [4, 2, 0, 0])
-    np.testing.assert_array_equal(batch.suppress_ids, [[-1] * 4, [1, 2, 3, -1], [-1] * 4, [-1] * 4])
-    assert batch.history.shape == (4, 0) and not flags.any_penalty
-    # presence / frequency only read the output tokens
-    row = SamplingRow(SP(presence_penalty=1.0), seed=0, token_ids=[4, 5, 6], num_prompt_tokens=2)
-    batch, _ = SamplingBatch.build([row], 1)
-    np.testing.assert_array_equal(batch.history, [[6]])
-    assert batch.num_prompt.tolist() == [0]
+    np.testing.assert_array_equal(batch.suppress_ids[:2], [[-1] * SUPPRESS, [1, 2, 3] + [-1] * (SUPPRESS - 3)])
+    np.testing.assert_array_equal(batch.slot, [0, 1, 2, 4])  # padding row: the padding slot
+    np.testing.assert_array_equal(batch.wants_logprobs, [True, False, False, False])
 
 
 def test_builder_and_sample_reject_bad_shapes():
     with pytest.raises(ValueError, match="need 1..batch_size=2 rows, got 3"):
-        SamplingBatch.build([SamplingRow(SP(), seed=0)] * 3, 2)
+        _batch([_row(SP(), seed=0)] * 3, 2)
     with pytest.raises(ValueError, match="need 1..batch_size=2 rows, got 0"):
-        SamplingBatch.build([], 2)
-    batch, flags = SamplingBatch.build([SamplingRow(SP(), seed=0)], 2)
+        _batch([], 2)
+    with pytest.raises(ValueError, match="suppressed token ids"):
+        _batch([_row(SP(), seed=0, suppress_ids=tuple(range(SUPPRESS + 1)))], 2)
+    batch = _batch([_row(SP(), seed=0)], 2)
     with pytest.raises(ValueError, match=r"logits must be \[B=2, V\], got \(3, 300\)"):
-        sample(jnp.zeros((3, V)), batch, flags)
+        sample(jnp.zeros((3, V)), batch, _state({}, 2))

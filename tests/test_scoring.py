@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compress_cases import NUM_KV_HEADS, make_case, spec_scores
+from compress_cases import CaseConfig, NUM_KV_HEADS, make_case, score_case, spec_scores
 from pallas_kernels.attention_score import attention_score, attention_score_reference
 from zipage_jax.compress.scoring import score_layer
-from zipage_jax.config import CompressionConfig
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -19,32 +18,21 @@ TOL = 1e-5
 
 # (config, query heads per kv head): block sizes 16/32/64, head ratios 1/3/4, QL 4/8/16/32, budgets 1..3
 CASES = {
-    "attention": (CompressionConfig(budget_blocks=1, block_size=16, query_cache_len=4), 1),
-    "global_maxnorm_pool_lightning": (CompressionConfig(
+    "attention": (CaseConfig(budget_blocks=1, block_size=16, query_cache_len=4), 1),
+    "global_maxnorm_pool_lightning": (CaseConfig(
         budget_blocks=2, block_size=32, query_cache_len=8, use_global_score=True, max_norm=True,
         enable_pooling=True, redundancy="lightning"), 3),
-    "global_contpool_raw_sinks": (CompressionConfig(
+    "global_contpool_raw_sinks": (CaseConfig(
         budget_blocks=1, block_size=64, query_cache_len=32, use_global_score=True, enable_pooling=True,
         continues_pooling=True, pooling_size=3, redundancy="raw", redundancy_lambda=0.5, sink_len=3), 4),
-    "pool_raw": (CompressionConfig(
+    "pool_raw": (CaseConfig(
         budget_blocks=3, block_size=16, query_cache_len=16, enable_pooling=True, redundancy="raw",
         redundancy_temperature=1.0, redundancy_threshold=0.3), 4),
 }
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _score(k_pool, queries, block_tables, num_blocks, compressed, score_cache, cfg):
-    return score_layer(k_pool, queries, block_tables, num_blocks, compressed, score_cache, cfg, "xla")
-
-
 def _run(case, cfg):
-    score_cache = jnp.asarray(case.score_cache) if cfg.use_global_score else None
-    stages, score_cache = _score(
-        jnp.asarray(case.k_pool), jnp.asarray(case.query_cache[case.query_ids]),
-        jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks), jnp.asarray(case.compressed),
-        score_cache, cfg,
-    )
-    return jax.tree.map(np.asarray, stages), score_cache
+    return score_case(case, cfg)
 
 
 def _per_seq(x, b, n):  # [B, Hkv, W, BS] -> [Hkv, n*BS]
@@ -86,7 +74,7 @@ def test_selection_matches_numpy_spec(name):
 
 @pytest.mark.parametrize("sink_len", [0, 5])
 def test_streaming_keeps_sinks_and_recent_tokens(sink_len):
-    cfg = CompressionConfig(budget_blocks=2, block_size=16, query_cache_len=8, sink_len=sink_len,
+    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=8, sink_len=sink_len,
                             eviction_policy="streaming")
     case = make_case(2, cfg, 2)
     stages, _ = _run(case, cfg)
@@ -125,7 +113,3 @@ def test_bad_inputs_raise():
         attention_score_reference(k_pool, queries, tables.astype(jnp.int16), num_blocks)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         attention_score(k_pool[..., :8], queries[..., :8], tables, num_blocks, interpret=True)
-    too_big = CompressionConfig(budget_blocks=tables.shape[1] + 1, block_size=cfg.block_size,
-                                query_cache_len=cfg.query_cache_len)
-    with pytest.raises(ValueError, match="budget_tokens"):
-        score_layer(k_pool, queries, tables, num_blocks, jnp.asarray(case.compressed), None, too_big)

@@ -62,7 +62,7 @@ class EngineConfig:
     redundancy_threshold: float = 0.5
     eviction_policy: str = DEFAULT_POLICY  # compress/policies.py; SamplingParams.eviction_policy overrides it
     sink_len: int | None = None  # protected first tokens; None: each policy's own (zipage 0, others 4)
-    recent_fraction: float | None = None  # share of the budget kept as the most recent tokens; None: each policy's
+    recent_fraction: float | None = None  # window policies: share of the budget kept as the most recent tokens
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "fp8" (e4m3): per-token scales
     enable_async_compress: bool = True
     enable_hybrid_engine: bool = True

@@ -54,10 +54,17 @@ class Policy:
     score: Score
     defaults: PolicyOptions
 
+    @property
+    def has_recent_window(self) -> bool:
+        return self.defaults.recent_fraction > 0
+
     def options(self, sink_len: int | None = None, recent_fraction: float | None = None) -> PolicyOptions:
-        """The defaults with the engine's overrides (None keeps the policy's own)."""
-        return PolicyOptions(self.defaults.sinks if sink_len is None else sink_len,
-                             self.defaults.recent_fraction if recent_fraction is None else recent_fraction)
+        """The defaults with the engine's overrides (None keeps the policy's own); recent_fraction
+        only changes the policies that have a recent window."""
+        recent = self.defaults.recent_fraction
+        if recent_fraction is not None and self.has_recent_window:
+            recent = recent_fraction
+        return PolicyOptions(self.defaults.sinks if sink_len is None else sink_len, recent)
 
 
 POLICIES: dict[str, Policy] = {p.name: p for p in (

@@ -118,12 +118,18 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: SamplerState) -> tupl
     token_ids = jnp.where(batch.forced >= 0, batch.forced, token_ids)
     lse = jax.nn.logsumexp(raw, axis=-1)  # [B]
     logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - lse
-    top_values, top_ids = lax.cond(
-        jnp.any(batch.wants_logprobs), lambda: _largest(raw, MAX_LOGPROBS),
-        lambda: (jnp.zeros((raw.shape[0], MAX_LOGPROBS), raw.dtype), jnp.zeros((raw.shape[0], MAX_LOGPROBS), jnp.int32)))
+    def top():
+        values, ids = _largest(raw, MAX_LOGPROBS)
+        return values - lse[:, None], ids
+
+    def nothing():
+        shape = (raw.shape[0], MAX_LOGPROBS)
+        return jnp.zeros(shape, raw.dtype), jnp.zeros(shape, jnp.int32)
+
+    top_logprobs, top_ids = lax.cond(jnp.any(batch.wants_logprobs), top, nothing)
     written = jnp.where(batch.samples, batch.slot, state.last_token.shape[0] - 1)
     state = state._replace(last_token=state.last_token.at[written].set(token_ids))
-    return SamplerOutput(token_ids, logprobs, top_ids, top_values - lse[:, None]), state
+    return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs), state
 
 
 def _suppress(x: jax.Array, suppress_ids: jax.Array) -> jax.Array:
