@@ -70,6 +70,9 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     num_compiles: int = 0  # programs compiled since the engine started (warm-up included)
+    num_steps: int = 0
+    step_seconds: float = 0.0  # wall time inside step()
+    device_wait_seconds: float = 0.0  # of which waiting for the device's tokens (the rest is host work)
 
 
 @dataclass
@@ -132,6 +135,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._last_log = time.monotonic()
         self._in_flight: deque[_InFlight] = deque()
+        self.last_step_host_seconds = 0.0  # host work of the latest step (step() less its wait for tokens)
         self._last_fetch = time.perf_counter()
         if config.warmup:
             self.warmup()
@@ -244,6 +248,8 @@ class LLMEngine:
         """Schedules and dispatches one step, then hands back what the host learnt: with
         asynchronous scheduling the tokens of the step before (the device computes this one
         meanwhile), else this step's own."""
+        start = time.perf_counter()
+        wait_before = self.stats.device_wait_seconds
         out = self.scheduler.schedule()
         if out.compressions:
             self.runner.compress(out.compressions)
@@ -256,9 +262,14 @@ class LLMEngine:
         keep = 1 if self.config.async_scheduling and out.chunks else 0
         while len(self._in_flight) > keep:
             self._resolve(self._in_flight.popleft(), touched, deltas)
-        self.stats.num_compiles = self.runner.num_compiles
+        outputs = [self._output(r, deltas) for r in touched.values()]
+        s = self.stats
+        s.num_compiles = self.runner.num_compiles
+        s.num_steps += 1
+        s.step_seconds += time.perf_counter() - start
+        self.last_step_host_seconds = time.perf_counter() - start - (s.device_wait_seconds - wait_before)
         self._maybe_log()
-        return [self._output(r, deltas) for r in touched.values()]
+        return outputs
 
     def _dispatch(self, chunks: list[Chunk], touched: dict) -> None:
         rows, ready = [], []
@@ -306,8 +317,10 @@ class LLMEngine:
         return tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids)
 
     def _resolve(self, step: _InFlight, touched: dict, deltas: dict) -> None:
+        waiting = time.perf_counter()
         results = list(self.runner.fetch(step.batches))
         now = time.perf_counter()
+        self.stats.device_wait_seconds += now - waiting
         self._account(now - max(step.dispatched_at, self._last_fetch), step.num_prefill, step.num_decode)
         self._last_fetch = now
         for res in results:
