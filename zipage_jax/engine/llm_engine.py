@@ -10,9 +10,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from pallas_kernels import kv_quant
 from zipage_jax.compress.policies import num_recent
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.block_manager import BlockManager
@@ -85,6 +87,25 @@ class _InFlight:
     num_decode: int
 
 
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_dtype) -> int:
+    """Bytes of one block of the pool, K and V of every layer, with the per-token scales of a
+    quantized pool (one float32 per token per kv head, for K and for V)."""
+    per_token = 2 * num_kv_heads * head_dim * np.dtype(kv_dtype).itemsize
+    if kv_quant.is_quantized(kv_dtype):
+        per_token += 2 * num_kv_heads * 4
+    return num_layers * block_size * per_token
+
+
+def check_platform_runs(kv_dtype) -> None:
+    """ValueError when the device cannot hold this pool type (fp8 needs compute capability >= 8.9)."""
+    if np.dtype(kv_dtype) != np.dtype(jnp.float8_e4m3fn) or jax.default_backend() != "gpu":
+        return
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability is not None and tuple(int(x) for x in str(capability).split(".")[:2]) < (8, 9):
+        raise ValueError(f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         f"this one is {capability}: use 'int8'")
+
+
 def enable_compilation_cache(directory: str | None) -> None:
     """JAX's persistent compilation cache, so a restart does not compile every bucket again."""
     if directory == "" or jax.config.jax_compilation_cache_dir:
@@ -103,9 +124,10 @@ class LLMEngine:
         mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         bs = config.kvcache_block_size
-        itemsize = np.dtype(self.loaded.model.dtype).itemsize
         kv_heads = -(-mc.num_kv_heads // config.tensor_parallel_size)  # per device (tensor parallelism)
-        block_bytes = 2 * mc.num_layers * bs * kv_heads * mc.head_dim * itemsize
+        kv_dtype = kv_quant.kv_storage_dtype(config.kv_cache_dtype, self.loaded.model.dtype)
+        check_platform_runs(kv_dtype)
+        self.block_bytes = block_bytes = kv_block_bytes(mc.num_layers, bs, kv_heads, mc.head_dim, kv_dtype)
         num_blocks = config.num_kvcache_blocks or int(config.kvcache_memory_gb * 2**30 // block_bytes) + 1
         usable_tokens = (num_blocks - 1) * bs
         model_len = config.max_model_len or mc.max_position_embeddings
