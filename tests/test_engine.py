@@ -218,3 +218,31 @@ def test_steady_workload_never_recompiles(llm, caplog):
         jax.config.update("jax_log_compiles", False)
     compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
     assert compiles == []
+
+
+def test_a_request_whose_inputs_fail_fails_alone(llm, expected, monkeypatch):
+    """If building one request's row of a step still raises, that request finishes with an error
+    and the others run on as if it had never been there."""
+    from zipage_jax.engine import sampling_batch
+
+    check = sampling_batch.SamplingArrays.check
+
+    def broken(row, width):
+        if row.params.seed == 666:
+            raise OverflowError("a value the sampler cannot hold")
+        check(row, width)
+
+    monkeypatch.setattr(sampling_batch.SamplingArrays, "check", staticmethod(broken))
+    params = [GREEDY] * len(PROMPTS) + [SamplingParams(temperature=0.5, seed=666, max_tokens=5)]
+    engine = llm.engine
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS + [[4, 5]], params)]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    failed = finals[ids[-1]]
+    assert failed.error is not None and "OverflowError" in failed.error
+    assert failed.outputs[0].finish_reason == "error"
+    assert [finals[i].outputs[0].token_ids for i in ids[:-1]] == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks

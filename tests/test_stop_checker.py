@@ -47,7 +47,17 @@ def test_incremental_text_equals_full_decode(tok, eos, text, prompt):
     assert checker.text == text == "".join(deltas)
     assert checker.finish_reason == "length" and checker.stop_reason is None
     assert not any("\ufffd" in d for d in deltas)
-    assert checker.token_ids == ids
+    assert checker.num_tokens == len(ids)
+
+
+def test_long_output_keeps_its_text_and_finds_a_late_stop_string(tok, eos):
+    # longer than the working string the checker keeps: emitted text moves to pieces, nothing is lost
+    text = "".join(TEXTS) * 120 + " the end ZZSTOP tail"
+    ids = tok.encode(text)
+    checker, deltas, n = _feed(tok, SP(max_tokens=len(ids), stop="ZZSTOP"), ids, eos)
+    assert checker.text == text[: text.index("ZZSTOP")]
+    assert checker.finish_reason == "stop" and checker.stop_reason == "ZZSTOP"
+    assert len(checker._text) < 3 * 4096 + 100  # the working string stayed bounded
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -85,7 +95,7 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed(tok, eos):
     assert (checker.finish_reason, checker.stop_reason) == ("stop", "42. STOP")
     assert n == 9  # finished on the token that completed the stop string
     assert checker.text == "".join(deltas) == "The answer is "
-    assert checker.token_ids == ids[:9]
+    assert checker.num_tokens == len(ids[:9])
 
 
 def test_include_stop_str_in_output(tok, eos):
@@ -126,7 +136,7 @@ def test_stop_token_ids(tok, eos, include):
                                ids, eos)
     assert (checker.finish_reason, checker.stop_reason, n) == ("stop", stop_id, 3)
     assert checker.text == "".join(deltas) == ("The answer is" if include else "The answer")
-    assert checker.token_ids == ids[:3]
+    assert checker.num_tokens == len(ids[:3])
 
 
 def test_eos_and_ignore_eos(tok, eos):
