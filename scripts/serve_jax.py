@@ -18,7 +18,9 @@ import uvicorn
 from zipage_jax.cli_options import add_distributed_arguments, add_engine_arguments, engine_options, start_distributed
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.sampling_params import MAX_N
 from zipage_jax.server import create_app
+from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
                         help="model name(s) clients use (default: the --model argument)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--max-n", type=int, default=MAX_N, metavar="N",
+                        help=f"most completions per prompt a request may ask for (1 to {MAX_N}; the engine also "
+                             f"caps n at --max-num-seqs; default: {MAX_N})")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                        help="larger request bodies are answered 413 unread "
+                             f"(default: {DEFAULT_MAX_REQUEST_BYTES}, 4 MiB)")
     add_engine_arguments(parser)
     add_distributed_arguments(parser)
     args = parser.parse_args(argv)
@@ -36,18 +44,19 @@ def main(argv: list[str] | None = None) -> int:
                      "devices); multi-process runs: python -m zipage_jax generate")
     options = engine_options(args)
     options.setdefault("model", "default")
-    try:
-        EngineConfig.from_options(**options)  # bad flags fail here, before binding the port
+
+    def on_load_error(exc: BaseException) -> None:
+        server.should_exit = True
+
+    try:  # bad flags fail here, before binding the port
+        EngineConfig.from_options(**options)
+        app = create_app(lambda: LLMEngine(**options), args.served_model_name or [options["model"]],
+                         on_load_error, max_n=args.max_n, max_request_bytes=args.max_request_bytes)
         start_distributed(args)
     except ValueError as exc:
         parser.error(str(exc))
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    def on_load_error(exc: BaseException) -> None:
-        server.should_exit = True
-
-    app = create_app(lambda: LLMEngine(**options), args.served_model_name or [options["model"]], on_load_error)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     server.run()
     return 1 if app.state.engine_loop.load_error is not None else 0

@@ -4,111 +4,25 @@ with the official openai client and raw HTTP."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
-import json
-import re
 import socket
 import threading
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 import uvicorn
 
-from zipage_jax.engine.llm_engine import LLMEngine
+from server_harness import (
+    CHAT, COMPLETIONS, GREEDY, MODEL, ROOT, USER, ServerThread, metrics, running_server, slow_steps, wait_for,
+    wait_idle)
 from zipage_jax.server import create_app
-
-MODEL = "tiny"
-POISON_SEED = 4242  # add_request raises for this seed (FaultyEngine)
-# Every new batch / chunk / block-table bucket and sampler flag set costs a jit compile, so the
-# tests keep to greedy sampling, short prompts and outputs, and at most 8 running sequences.
-ENGINE_OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=256, max_num_seqs=8, max_model_len=256,
-                      max_num_batched_tokens=512)
-GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-ROOT = Path(__file__).resolve().parents[1]
-
-
-class FaultyEngine(LLMEngine):
-    """The real engine, failing on demand (add_request for POISON_SEED, step while fail_steps > 0)
-    and slowed down on demand (step_delay)."""
-
-    fail_steps = 0
-    step_delay = 0.0
-
-    def add_request(self, prompt, params=None, request_id=None):
-        if params is not None and params.seed == POISON_SEED:
-            raise RuntimeError("poisoned request")
-        return super().add_request(prompt, params, request_id)
-
-    def step(self):
-        if self.fail_steps:
-            self.fail_steps -= 1
-            raise RuntimeError("injected step failure")
-        time.sleep(self.step_delay)
-        return super().step()
-
-
-class ServerThread:
-    """uvicorn serving `app` on a free 127.0.0.1 port, in a daemon thread."""
-
-    def __init__(self, app):
-        self.app = app
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        _wait_for(lambda: self.server.started, 30, "uvicorn did not start")
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_factory, model_cache_dir):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
-        model_dir = str(tiny_model_factory("qwen3"))
-        app = create_app(lambda: FaultyEngine(model=model_dir, **ENGINE_OPTIONS), [MODEL, "alias"])
-        srv = ServerThread(app)
-        try:
-            _wait_for(lambda: httpx.get(f"{srv.url}/health").status_code == 200, 120, "the model did not load")
-            srv.engine = app.state.engine_loop.engine
-            srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", timeout=60, max_retries=0)
-            srv.http = httpx.Client(base_url=srv.url, timeout=60)
-            yield srv
-        finally:
-            srv.close()
-
-
-def _wait_for(condition, timeout: float, message: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(message)
-        time.sleep(0.05)
-
-
-def metrics(srv) -> dict[str, float]:
-    """The /metrics samples, by name with labels stripped (each is unique here)."""
-    samples = {}
-    for line in srv.http.get("/metrics").text.splitlines():
-        if not line.startswith("#") and "le=" not in line and "finished_reason" not in line:
-            name, value = re.fullmatch(r"([a-z0-9_:]+)(?:\{.*\})? (\S+)", line).groups()
-            samples[name] = float(value)
-    return samples
-
-
-def wait_idle(srv, free_blocks: float) -> dict[str, float]:
-    _wait_for(lambda: (m := metrics(srv))["zipage:kv_free_blocks"] == free_blocks
-              and m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0, 30,
-              "blocks were not freed")
-    return metrics(srv)
+    with running_server(tiny_model_factory, model_cache_dir) as srv:
+        yield srv
 
 
 # -- the openai client -------------------------------------------------------------------------
@@ -243,9 +157,6 @@ def test_metrics_names(server):
 
 # -- bad input -----------------------------------------------------------------------------------
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-USER = [{"role": "user", "content": "hi"}]
 BAD = [
     (COMPLETIONS, b"{not json", 400, None),
     (COMPLETIONS, b"[1, 2]", 400, None),
@@ -318,16 +229,6 @@ def test_unknown_route_is_an_openai_error(server):
 # -- lifecycle ---------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def slow_steps(server, seconds: float = 0.05):
-    """Each engine step sleeps, so a long request is surely still running when the test acts."""
-    server.engine.step_delay = seconds
-    try:
-        yield
-    finally:
-        server.engine.step_delay = 0.0
-
-
 def test_disconnect_mid_stream_frees_blocks(server):
     start = wait_idle(server, metrics(server)["zipage:kv_total_blocks"])
     body = dict(model=MODEL, prompt="story", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
@@ -349,34 +250,6 @@ def test_disconnect_while_waiting_for_a_whole_response(server):
     end = wait_idle(server, start["zipage:kv_free_blocks"])
     assert end["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"] < 20
     assert end["vllm:e2e_request_latency_seconds_count"] == start["vllm:e2e_request_latency_seconds_count"]
-
-
-def test_a_failing_request_fails_alone(server):
-    body = dict(model=MODEL, prompt="survivor", max_tokens=8, temperature=0, ignore_eos=True, stream=True)
-    with slow_steps(server), httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data:"))
-        bad = server.http.post(COMPLETIONS, json=dict(model=MODEL, prompt="x", seed=POISON_SEED))
-        assert bad.status_code == 500 and "poisoned request" in bad.json()["error"]["message"]
-        assert bad.json()["error"]["type"] == "server_error"
-        rest = [line for line in lines if line.startswith("data:")]
-    assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
-
-
-def test_a_failing_step_fails_the_batch_and_serving_goes_on(server):
-    start = wait_idle(server, metrics(server)["zipage:kv_total_blocks"])
-    body = dict(model=MODEL, prompt="doomed", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
-    with slow_steps(server), httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data:"))
-        server.engine.fail_steps = 1
-        rest = [line for line in lines if line.startswith("data:")]
-    assert rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2].removeprefix("data: "))["error"]["message"].endswith("injected step failure")
-    wait_idle(server, start["zipage:kv_free_blocks"])
-    r = server.http.post(COMPLETIONS, json=dict(model=MODEL, prompt="doomed", max_tokens=8, temperature=0,
-                                                ignore_eos=True))
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
 
 
 def test_many_concurrent_streams(server):
@@ -426,10 +299,30 @@ def test_health_is_503_while_loading_and_after_a_failed_load():
         r = httpx.post(f"{srv.url}{COMPLETIONS}", json=dict(model=MODEL, prompt="x"))
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         release.set()
-        _wait_for(lambda: failures, 10, "on_load_error was not called")
+        wait_for(lambda: failures, 10, "on_load_error was not called")
         r = httpx.get(f"{srv.url}/health")
-        assert r.status_code == 503 and "no such model" in r.json()["error"]["message"]
+        message = r.json()["error"]["message"]
+        assert r.status_code == 503 and message == "the model failed to load (the server's log says why)"
     finally:
+        srv.close()
+
+
+def test_n_above_the_servers_max_n_is_refused_even_while_loading():
+    release = threading.Event()
+
+    def never_loads():
+        release.wait(30)
+        raise RuntimeError("not loaded in this test")
+
+    srv = ServerThread(create_app(never_loads, [MODEL], max_n=2))
+    try:
+        r = httpx.post(f"{srv.url}{COMPLETIONS}", json=dict(model=MODEL, prompt="x", n=3))
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": "n must be <= 2 (this server's --max-n), got 3", "type": "invalid_request_error",
+            "param": "n", "code": None}
+        assert httpx.post(f"{srv.url}{COMPLETIONS}", json=dict(model=MODEL, prompt="x", n=2)).status_code == 503
+    finally:
+        release.set()
         srv.close()
 
 
@@ -462,3 +355,12 @@ def test_script_rejects_bad_engine_flags(capsys):
     with pytest.raises(SystemExit) as exit_info:
         _serve_script().main(["--kvcache-block-size", "24"])
     assert exit_info.value.code == 2 and "kvcache_block_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, message", [("--max-n", "0", "max_n must be in [1, 128], got 0"),
+                                                  ("--max-n", "129", "max_n must be in [1, 128], got 129"),
+                                                  ("--max-request-bytes", "0", "max_request_bytes must be >= 1")])
+def test_script_rejects_bad_server_flags(capsys, flag, value, message):
+    with pytest.raises(SystemExit) as exit_info:
+        _serve_script().main([flag, value])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -5,8 +5,9 @@ from __future__ import annotations
 from jinja2 import TemplateError
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` rendered with the model's template plus the generation prompt.
+def chat_prompt_ids(tokenizer, messages: list[dict], max_length: int | None = None) -> list[int]:
+    """Token ids of `messages` rendered with the model's template plus the generation prompt
+    (at most the first `max_length` of them, if given).
 
     Raises ValueError naming the problem (empty messages, no template, template rejection)."""
     if not messages:
@@ -17,7 +18,8 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        limit = {} if max_length is None else {"truncation": True, "max_length": max_length}
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **limit)
     except TemplateError as exc:
         raise ValueError(f"the chat template rejected the messages: {exc}") from exc
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -1,4 +1,9 @@
-"""Per-request sampling options, with vLLM's names and defaults, validated at construction."""
+"""Per-request sampling options, with vLLM's names and defaults, validated at construction.
+
+Every field is bounded here, independently of the model, so that no value can overflow the
+arrays the sampler stores it in (int32 ids and counts, uint32 seeds, float32 reals) or make
+one sequence's host work unbounded; the engine adds the model's bounds (vocabulary, batch).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,13 @@ from zipage_jax.compress.policies import get_policy
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20
-MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request (the sampler's suppress rows have a fixed width)
+MAX_N = 128  # completions per request (OpenAI's limit); engines and servers may allow fewer
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_CHARS = 256  # characters per stop string (the stop checker scans the text tail per token)
+MAX_STOP_TOKEN_IDS = 64  # the sampler's suppress rows have a fixed width
+INT32_MAX = 2**31 - 1  # token ids, top_k, token counts and kv_budget are int32 on the device
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # an int64, as OpenAI's seed
+FLOAT32_MAX = 3.4028234663852886e38  # reals are float32 on the device
 
 
 @dataclass(frozen=True)
@@ -39,36 +50,38 @@ class SamplingParams:
     forced_token_ids: Sequence[int] | None = None  # normalised to a tuple
 
     def __post_init__(self) -> None:
-        _integer("n", self.n, low=1)
+        _integer("n", self.n, low=1, high=MAX_N)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             object.__setattr__(self, name, _real(name, getattr(self, name)))
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError(f"temperature must be in [0, {FLOAT32_MAX:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _integer("top_k", self.top_k, low=-1)
+        _integer("top_k", self.top_k, low=-1, high=INT32_MAX)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty <= FLOAT32_MAX:
+            raise ValueError(f"repetition_penalty must be in (0, {FLOAT32_MAX:g}], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.seed is not None:
-            _integer("seed", self.seed)
+            _integer("seed", self.seed, low=SEED_MIN, high=SEED_MAX)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        _integer("max_tokens", self.max_tokens, low=1)
-        _integer("min_tokens", self.min_tokens, low=0)
+        _integer("max_tokens", self.max_tokens, low=1, high=INT32_MAX)
+        _integer("min_tokens", self.min_tokens, low=0, high=INT32_MAX)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.kv_budget is not None:
-            _integer("kv_budget", self.kv_budget, low=0)
+            _integer("kv_budget", self.kv_budget, low=0, high=INT32_MAX)
         if self.eviction_policy is not None:
             get_policy(self.eviction_policy)
         object.__setattr__(self, "forced_token_ids", _token_ids("forced_token_ids", self.forced_token_ids))
@@ -83,10 +96,10 @@ class SamplingParams:
 
 def _integer(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {_short(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bounds}, got {value}")
+        raise ValueError(f"{name} must be {bounds}, got {_short(value)}")
 
 
 def _real(name: str, value: object) -> float:
@@ -100,16 +113,38 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
         return ()
     strings = (stop,) if isinstance(stop, str) else stop
     if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
-        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise ValueError(f"stop must be a string or a list of strings, got {_short(stop)}")
     if not all(strings):
-        raise ValueError(f"stop must not contain an empty string, got {stop!r}")
+        raise ValueError(f"stop must not contain an empty string, got {_short(stop)}")
+    if len(strings) > MAX_STOP:
+        raise ValueError(f"stop holds {len(strings)} strings, more than {MAX_STOP}")
+    for s in strings:
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
+        check_text("stop", s)
     return tuple(strings)
 
 
 def _token_ids(name: str, ids: object) -> tuple[int, ...]:
     if ids is None:
         return ()
-    valid = isinstance(ids, (list, tuple)) and all(type(i) is int and i >= 0 for i in ids)
+    valid = isinstance(ids, (list, tuple)) and all(type(i) is int and 0 <= i <= INT32_MAX for i in ids)
     if not valid:
-        raise ValueError(f"{name} must be a list of non-negative integers, got {ids!r}")
+        raise ValueError(f"{name} must be a list of integers in [0, {INT32_MAX}], got {_short(ids)}")
     return tuple(ids)
+
+
+def check_text(name: str, text: str) -> None:
+    """Raises ValueError naming `name` if `text` is not valid Unicode (a lone surrogate has no UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{name} is not valid Unicode (a lone surrogate at index {exc.start})") from None
+
+
+def _short(value: object, limit: int = 200) -> str:
+    """repr(value), cut to `limit` characters (a huge integer by its size: its repr may not exist)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

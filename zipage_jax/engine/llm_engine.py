@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -26,7 +27,7 @@ from zipage_jax.engine.sequence import Sequence
 from zipage_jax.engine.stop_checker import StopChecker
 from zipage_jax.models.loading import LoadedModel, load_model
 from zipage_jax.models.param_cache import default_cache_dir
-from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.sampling_params import SamplingParams, check_text
 
 logger = logging.getLogger("zipage_jax")
 
@@ -180,11 +181,17 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        """Queues a request; raises ValueError, naming the field, for anything this engine cannot run.
+
+        Beyond SamplingParams' own bounds: token ids (prompt, stop_token_ids, forced_token_ids)
+        must lie in the vocabulary, n at most max_num_seqs, the prompt under max_model_len, and
+        kv_budget within the KV pool; top_k at or above the vocabulary size keeps every token, as
+        top_k = 0 does (it is stored as 0). A request admitted here cannot overflow a step's inputs."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         token_ids, text = self._tokenize(prompt)
-        self._check_vocab("forced_token_ids", params.forced_token_ids)
+        params = self._admissible(params)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit} "
@@ -214,14 +221,27 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            check_text("prompt", prompt)
             return list(self.tokenizer(prompt)["input_ids"]), prompt
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         self._check_vocab("prompt token ids", prompt)
         return [int(t) for t in prompt], None
 
+    def _admissible(self, params: SamplingParams) -> SamplingParams:
+        """params checked against this engine (see add_request), top_k >= vocabulary stored as 0."""
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs={self.config.max_num_seqs} (the sequences this engine "
+                             f"runs at once), got {params.n}")
+        self._check_vocab("stop_token_ids", params.stop_token_ids)
+        self._check_vocab("forced_token_ids", params.forced_token_ids)
+        if params.top_k >= self.loaded.config.vocab_size:
+            params = dataclasses.replace(params, top_k=0)
+        return params
+
     def _check_vocab(self, name: str, token_ids) -> None:
-        vocab = self.loaded.config.vocab_size
+        # ids the model has a row for and the tokenizer a token for (a model may pad its vocabulary)
+        vocab = min(self.loaded.config.vocab_size, len(self.tokenizer))
         for t in token_ids:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
                 raise ValueError(f"{name} must be integers in [0, {vocab}), got {t!r}")
@@ -406,7 +426,7 @@ class LLMEngine:
         outputs = []
         for seq, checker in zip(request.seqs, request.checkers):
             text, ids, lps = deltas.get(seq.seq_id, ("", [], []))
-            done = request.finish_reasons[seq.index] is not None
+            done = finished  # the cumulative fields cost O(length): only in the request's final output
             outputs.append(CompletionOutput(
                 index=seq.index, text=checker.text if done else "",
                 token_ids=seq.token_ids[seq.num_prompt_tokens:] if done else [],

@@ -1,8 +1,8 @@
 """What the engine hands back each step, per completion: what it added this step (the deltas),
 and the whole completion once it has finished.
 
-A running completion's output carries only deltas, so an output costs the same at token 10 and
-at token 30,000; `text`, `token_ids` and `logprobs` are filled in the final output (finished)."""
+A running request's outputs carry only deltas, so an output costs the same at token 10 and at
+token 30,000; `text`, `token_ids` and `logprobs` are filled in the request's final output."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class TokenLogprob:
 @dataclass
 class CompletionOutput:
     index: int
-    text: str  # the whole completion once finished; "" before
+    text: str  # the whole completion in the request's final output; "" before
     token_ids: list[int]  # likewise
     finish_reason: str | None  # "stop" | "length" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or token id that matched

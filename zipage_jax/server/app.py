@@ -4,6 +4,8 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 The model loads in the engine thread once the app starts; until then /health answers 503.
+Request bodies are parsed, chat templates rendered and prompts tokenized in a Preprocessor
+thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -12,32 +14,50 @@ import asyncio
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
-from zipage_jax.chat import chat_prompt_ids
 from zipage_jax.engine.llm_engine import LLMEngine
-from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.sampling_params import MAX_N, SamplingParams
 from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
 from zipage_jax.server.errors import OpenAIError, install_error_handlers
 from zipage_jax.server.formats import ChatFormat, CompletionFormat
 from zipage_jax.server.generation import EventStream, Generation, until_disconnected
 from zipage_jax.server.metrics import ServerMetrics
+from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
+from zipage_jax.server.openapi import (
+    ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Health, ModelList, install_openapi, request_body,
+    responses)
+from zipage_jax.server.preprocess import Preprocessor
 from zipage_jax.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CLIENT_CLOSED = 499
+_GENERATION_ERRORS = (400, 404, 413, 500, 503)
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list[str],
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_load_error: Callable[[BaseException], None] | None = None, *, max_n: int = MAX_N,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """`max_n` caps n (never above MAX_N, nor the engine's max_num_seqs); a body over
+    `max_request_bytes` is answered 413 unread."""
     if not served_model_names:
         raise ValueError("served_model_names is empty")
+    if not 1 <= max_n <= MAX_N:
+        raise ValueError(f"max_n must be in [1, {MAX_N}], got {max_n}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     names = list(served_model_names)
     metrics = ServerMetrics(names[0], lambda: engine_loop.stats)
-    engine_loop = EngineLoop(engine_factory, observer=metrics, on_load_error=on_load_error)
+    preprocessor = Preprocessor()
+    engine_loop = EngineLoop(engine_factory, observer=metrics, on_load_error=on_load_error,
+                             on_loaded=preprocessor.prepare)
     created = int(time.time())
 
     @asynccontextmanager
@@ -45,24 +65,36 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
         engine_loop.start(asyncio.get_running_loop())
         yield
         engine_loop.stop()
+        preprocessor.shutdown()
 
     app = FastAPI(title="zipage-jax", lifespan=lifespan)
+    app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes)
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
+    app.state.preprocessor = preprocessor
     install_error_handlers(app)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest], names)
 
     def ready_engine() -> LLMEngine:
         if not engine_loop.ready.is_set():
             raise OpenAIError(503, "the model is still loading" if engine_loop.load_error is None
-                              else f"the model failed to load: {engine_loop.load_error}")
+                              else "the model failed to load (the server's log says why)")
         return engine_loop.engine
 
-    def check_model(name: str) -> None:
-        if name not in names:
-            raise OpenAIError(404, f"The model `{name}` does not exist. Served: {', '.join(names)}.",
-                              param="model", code="model_not_found")
+    async def parse(request: Request, model: type[Body]) -> Body:
+        raw = await request.body()
+        return await preprocessor.run(preprocessor.parse, model, raw, request.headers.get("content-type"))
 
-    @app.get("/health")
+    def admit(body: SamplingFields) -> LLMEngine:
+        """The engine, once the request's model and n are known to be served."""
+        if body.model not in names:
+            raise OpenAIError(404, f"The model `{body.model[:100]}` does not exist. Served: {', '.join(names)}.",
+                              param="model", code="model_not_found")
+        if body.n is not None and body.n > max_n:
+            raise OpenAIError(400, f"n must be <= {max_n} (this server's --max-n), got {body.n}", param="n")
+        return ready_engine()
+
+    @app.get("/health", response_model=None, responses=responses(Health, 500, 503))
     async def health() -> JSONResponse:
         try:
             ready_engine()
@@ -70,7 +102,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
             return exc.response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=responses(ModelList, 500))
     async def models() -> JSONResponse:
         engine = engine_loop.engine if engine_loop.ready.is_set() else None
         max_len = engine.config.max_model_len if engine is not None else None
@@ -78,36 +110,39 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
             {"id": name, "object": "model", "created": created, "owned_by": "zipage-jax", "max_model_len": max_len}
             for name in names]})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses=responses(None, 500, ok_media="text/plain", ok_description="Prometheus text format."))
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        engine = ready_engine()
-        prompts = _completion_prompts(body.prompt, engine_loop.tokenizer)
-        limit = engine.config.max_model_len
+    @app.post("/v1/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
+              responses=responses(Completion, *_GENERATION_ERRORS, stream=CompletionChunk))
+    async def completions(request: Request) -> Response:
+        body = await parse(request, CompletionRequest)
+        limit = admit(body).config.max_model_len
+        prompts = await preprocessor.run(preprocessor.completion_prompts, body.prompt, limit)
         max_tokens = min(_max_tokens(len(p), body.max_tokens, limit, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
                          for p in prompts)
         params = _sampling_params(body, max_tokens, body.logprobs)
-        return await _generate(request, body, Generation(engine_loop, prompts, params,
-                                                          CompletionFormat(body.model, engine_loop.tokenizer)))
+        request_id = request.state.request_id
+        fmt = CompletionFormat(body.model, engine_loop.tokenizer, request_id)
+        return await _generate(request, body, Generation(engine_loop, prompts, params, fmt, request_id))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        engine = ready_engine()
+    @app.post("/v1/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
+              responses=responses(ChatCompletion, *_GENERATION_ERRORS, stream=ChatCompletionChunk))
+    async def chat_completions(request: Request) -> Response:
+        body = await parse(request, ChatCompletionRequest)
+        limit = admit(body).config.max_model_len
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        prompt = _chat_prompt(body, engine_loop.tokenizer)
+        prompt = await preprocessor.run(preprocessor.chat_prompt, body, limit)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        limit = engine.config.max_model_len
         max_tokens = _max_tokens(len(prompt), requested, limit, limit - len(prompt), "messages")
         params = _sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
                                   renames={"logprobs": "top_logprobs"})
-        return await _generate(request, body, Generation(engine_loop, [prompt], params,
-                                                          ChatFormat(body.model, engine_loop.tokenizer)))
+        request_id = request.state.request_id
+        fmt = ChatFormat(body.model, engine_loop.tokenizer, request_id)
+        return await _generate(request, body, Generation(engine_loop, [prompt], params, fmt, request_id))
 
     return app
 
@@ -117,39 +152,19 @@ async def _generate(request: Request, body: SamplingFields, generation: Generati
         await generation.start()
     except ValueError as exc:
         raise OpenAIError.bad_request(exc) from exc
-    except Exception as exc:
-        raise OpenAIError(500, f"adding the request failed: {type(exc).__name__}: {exc}") from exc
+    except Exception:  # the engine loop has logged it under the request id
+        raise OpenAIError.internal(generation.request_id) from None
     if body.stream:
         return EventStream(generation.events(body.include_usage), on_close=generation.abort)
     try:
         result = await until_disconnected(request, asyncio.ensure_future(generation.response()))
-    except RequestFailed as exc:
-        raise OpenAIError(500, str(exc)) from exc
+    except RequestFailed:  # logged by the engine loop
+        raise OpenAIError.internal(generation.request_id) from None
     finally:
         generation.abort()
     if result is None:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(result)
-
-
-def _completion_prompts(prompt: str | list, tokenizer) -> list[list[int]]:
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        prompt = [prompt]
-    if not prompt:
-        raise OpenAIError(400, "prompt must not be empty", param="prompt")
-    prompts = [list(tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompt]
-    if not all(prompts):
-        raise OpenAIError(400, "prompt must not be empty", param="prompt")
-    return prompts
-
-
-def _chat_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
-    if not body.messages:
-        raise OpenAIError(400, "messages must not be empty", param="messages")
-    try:
-        return chat_prompt_ids(tokenizer, [m.as_template_input() for m in body.messages])
-    except ValueError as exc:
-        raise OpenAIError(400, str(exc), param="messages") from exc
 
 
 def _max_tokens(prompt_len: int, requested: int | None, limit: int, default: int, prompt_param: str) -> int:

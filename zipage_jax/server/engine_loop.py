@@ -1,8 +1,10 @@
 """EngineLoop: the one thread that owns the (not thread-safe) engine.
 
 The event loop sends commands (add, abort) through a queue that the engine thread drains
-between steps; outputs go back to per-request asyncio queues via call_soon_threadsafe. A
-failing step fails the requests in flight and the loop keeps serving.
+between steps; outputs go back to per-request asyncio queues via call_soon_threadsafe. An
+output whose `error` is set fails its request alone; a step that raises (a device failure)
+fails every request in flight, and the loop keeps serving. The real errors go to the log,
+under the engine request ids (the HTTP request id followed by the prompt's index).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ _FAILURE_BACKOFF_S = 0.05  # after a failed step, so a persistently broken engin
 
 
 class RequestFailed(Exception):
-    """Delivered to a request's queue when the engine failed while running it."""
+    """Delivered to every request's queue when an engine step failed (the error is logged)."""
 
 
 class OutputObserver(Protocol):
@@ -57,10 +59,14 @@ _STOP = object()
 
 class EngineLoop:
     def __init__(self, factory: Callable[[], LLMEngine], observer: OutputObserver | None = None,
-                 on_load_error: Callable[[BaseException], None] | None = None):
+                 on_load_error: Callable[[BaseException], None] | None = None,
+                 on_loaded: Callable[[LLMEngine], None] | None = None):
+        """`on_loaded(engine)` runs in the engine thread once the model has loaded, before
+        `ready` is set (a failure there is a load failure)."""
         self._factory = factory
         self._observer = observer
         self._on_load_error = on_load_error
+        self._on_loaded = on_loaded
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -100,6 +106,8 @@ class EngineLoop:
         try:
             self.engine = self._factory()
             self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+            if self._on_loaded is not None:
+                self._on_loaded(self.engine)
         except BaseException as exc:
             logger.exception("loading the model failed")
             self.load_error = exc
@@ -153,9 +161,9 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing the %d requests in flight", len(self._sinks))
-            self._fail_all(RequestFailed(f"engine step failed: {type(exc).__name__}: {exc}"))
+        except Exception:
+            logger.exception("engine step failed; failing the requests in flight: %s", ", ".join(self._sinks))
+            self._fail_all(RequestFailed("engine step failed"))
             time.sleep(_FAILURE_BACKOFF_S)
             return
         now = time.monotonic()
@@ -164,9 +172,12 @@ class EngineLoop:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            if out.finished:
+            if out.error is not None:
+                logger.error("request %s failed: %s", out.request_id, out.error)
+                self._abort(out.request_id)  # forgets it here; frees it if the engine still holds it
+            elif out.finished:
                 del self._sinks[out.request_id]
-            if self._observer is not None:
+            if self._observer is not None and out.error is None:
                 self._observer.observe(out, now)
             deliveries.append((sink, out))
         if deliveries:

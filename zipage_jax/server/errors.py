@@ -1,4 +1,8 @@
-"""Every error as OpenAI's schema: {"error": {"message", "type", "param", "code"}}."""
+"""Every error as OpenAI's schema: {"error": {"message", "type", "param", "code"}}.
+
+A 500 says only that the server failed, with the request id its log line carries: no
+exception text leaves the server.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from zipage_jax.server.protocol import SHAPE_FIELDS
+
 logger = logging.getLogger("zipage_jax.server")
 
+REQUEST_ID_HEADER = "X-Request-Id"
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-          500: "server_error", 503: "service_unavailable"}
+          413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 # ValueError messages from SamplingParams / the engine start with the offending field's name
 _ENGINE_PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "max_tokens",
                   "logprobs", "kv_budget", "eviction_policy", "prompt", "skip_special_tokens", "include_stop_str_in_output")
+_MAX_FIELD_CHARS = 100  # of a client's field name quoted in an error
 
 
 class OpenAIError(Exception):
@@ -34,44 +42,58 @@ class OpenAIError(Exception):
             param = param_names.get(param, param)
         return cls(400, message, param=param)
 
+    @classmethod
+    def internal(cls, request_id: str) -> "OpenAIError":
+        return cls(500, internal_message(request_id))
+
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def internal_message(request_id: str) -> str:
+    return f"the server failed to process the request (request id {request_id})"
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": kind,
+                      "param": None if param is None else _printable(param), "code": code}}
+
+
+def _printable(text: str) -> str:
+    """`text` with what UTF-8 cannot encode (lone surrogates quoted from a request) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
-    """FastAPI's 422 list of pydantic errors -> one 400 naming the first bad field."""
-    errors = exc.errors()
-    first = errors[0]
+    """pydantic's list of errors -> one 400 naming the first bad field."""
+    first = exc.errors()[0]
     loc = _path(first)
     if first["type"] == "json_invalid":
         return OpenAIError(400, f"invalid JSON body: {first.get('ctx', {}).get('error', first['msg'])}")
+    if first["type"] == "string_unicode":  # a lone surrogate, in a value or (no location) a field name
+        where = ".".join(loc) if loc else "request body: a field name"
+        return OpenAIError(400, f"{where}: this text is not valid Unicode (a lone surrogate)",
+                           param=loc[0] if loc else None)
     if not loc:
         return OpenAIError(400, f"request body: {first['msg']}")
-    field = loc[0]
-    if len(loc) > 1 and _is_union_tag(loc[1]):  # pydantic tried each member of a union: name them all
-        tags = [p[1] for p in map(_path, errors) if len(p) > 1 and p[0] == field and _is_union_tag(p[1])]
-        shapes = ", ".join(dict.fromkeys(tags))
-        return OpenAIError(400, f"{field}: invalid value; expected one of: {shapes}", param=field)
-    where = ".".join(loc)
+    field, where = loc[0], ".".join(loc)
     if first["type"] == "extra_forbidden":
         return OpenAIError(400, f"{where}: unsupported parameter", param=field)
-    return OpenAIError(400, f"{where}: {first['msg']}", param=field)
+    return OpenAIError(400, f"{where}: {first['msg'].removeprefix('Value error, ')}", param=field)
 
 
 def _path(error: dict) -> list[str]:
-    return [str(p) for p in error["loc"] if p != "body"]
-
-
-def _is_union_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool") or "[" in part
+    """The error's location; a shape name after a field of several shapes is dropped."""
+    path: list[str] = []
+    for part in error["loc"]:
+        if part == "body" or (path and path[-1] in SHAPE_FIELDS and isinstance(part, str)):
+            continue
+        path.append(str(part)[:_MAX_FIELD_CHARS])
+    return path
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -87,8 +109,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
                             headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request %s %s failed", request.method, request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)

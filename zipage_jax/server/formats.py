@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -17,8 +16,8 @@ class ResponseFormat(ABC):
     object: str
     chunk_object: str
 
-    def __init__(self, model: str, tokenizer: Any):
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+    def __init__(self, model: str, tokenizer: Any, request_id: str):
+        self.id = f"{self.id_prefix}-{request_id}"
         self.created = int(time.time())
         self.model = model
         self._tokenizer = tokenizer

@@ -14,16 +14,17 @@ from starlette.types import Receive, Scope, Send
 from zipage_jax.engine.outputs import RequestOutput
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
-from zipage_jax.server.errors import error_body
+from zipage_jax.server.errors import error_body, internal_message
 from zipage_jax.server.formats import ResponseFormat, usage
 
 
 class Generation:
-    """Choice p * n + i is completion i of prompt p (OpenAI's order)."""
+    """Choice p * n + i is completion i of prompt p (OpenAI's order). Engine request ids are the
+    response id followed by the prompt's index."""
 
     def __init__(self, engine_loop: EngineLoop, prompts: list[list[int]], params: SamplingParams,
-                 fmt: ResponseFormat):
-        self.prompts, self.params, self.fmt = prompts, params, fmt
+                 fmt: ResponseFormat, request_id: str):
+        self.prompts, self.params, self.fmt, self.request_id = prompts, params, fmt, request_id
         self._engine_loop = engine_loop
         self._prompt_index = {f"{fmt.id}-{p}": p for p in range(len(prompts))}
         self._unfinished: set[str] = set()
@@ -52,12 +53,16 @@ class Generation:
         self._unfinished.clear()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) as the engine advances; raises RequestFailed."""
+        """(prompt index, output) as the engine advances; raises RequestFailed if the engine
+        failed one of the prompts (abort() then ends the others)."""
         while self._unfinished:
             item = await self._outputs.get()
             if isinstance(item, RequestFailed):
                 self._unfinished.clear()  # the engine loop has aborted them
                 raise item
+            if item.error is not None:
+                self._unfinished.discard(item.request_id)
+                raise RequestFailed(item.error)
             if item.finished:
                 self._unfinished.discard(item.request_id)
             prompt = self._prompt_index[item.request_id]
@@ -80,7 +85,6 @@ class Generation:
     async def events(self, include_usage: bool) -> AsyncIterator[str]:
         """SSE lines: a chunk per choice that advanced, [usage chunk], data: [DONE]."""
         fmt, n = self.fmt, self.params.n
-        sent_logprobs: dict[int, int] = defaultdict(int)
         sent_text: dict[int, int] = defaultdict(int)
         finished: set[int] = set()
         try:
@@ -92,18 +96,16 @@ class Generation:
                     index = p * n + o.index
                     if index in finished or not (o.delta_token_ids or o.delta_text or o.finish_reason):
                         continue
-                    logprobs = None if o.logprobs is None else o.logprobs[sent_logprobs[index]:]
-                    choice = fmt.choice(index, o.delta_text, logprobs, o.finish_reason, o.stop_reason,
+                    choice = fmt.choice(index, o.delta_text, o.delta_logprobs, o.finish_reason, o.stop_reason,
                                         text_offset=sent_text[index], streaming=True)
-                    sent_logprobs[index] = len(o.logprobs or ())
                     sent_text[index] += len(o.delta_text)
                     if o.finish_reason is not None:
                         finished.add(index)
                     yield _sse(fmt.chunk([choice], include_usage=include_usage))
             if include_usage:
                 yield _sse(fmt.chunk([], self.usage(), include_usage=True))
-        except RequestFailed as exc:
-            yield _sse(error_body(500, str(exc)))
+        except RequestFailed:
+            yield _sse(error_body(500, internal_message(self.request_id)))
         yield "data: [DONE]\n\n"
 
 

@@ -1,0 +1,228 @@
+"""What the OpenAPI document (/openapi.json) says: response bodies, every status a route
+answers, the error schema, the media types; the request bodies, which the routes parse
+themselves (off the event loop), are added to it here. tests/test_server_openapi.py fuzzes
+the server against this document.
+
+The response models only describe: formats.py builds the bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+
+from zipage_jax.server.errors import REQUEST_ID_HEADER
+
+_REF = "#/components/schemas/{model}"
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Closed):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Closed):
+    error: ErrorDetail
+
+
+class Health(_Closed):
+    status: Literal["ok"]
+
+
+class ModelCard(_Closed):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None
+
+
+class ModelList(_Closed):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Usage(_Closed):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length"]
+StopReason = str | int | None  # the stop string or stop token id that ended the choice
+
+
+class CompletionLogprobs(_Closed):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Closed):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+    stop_reason: StopReason
+
+
+class Completion(_Closed):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TokenLogprob(_Closed):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class ChatLogprobs(_Closed):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(_Closed):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Closed):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason
+    stop_reason: StopReason
+
+
+class ChatCompletion(_Closed):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+# Stream chunks: `usage` only with stream_options.include_usage (null but in the last chunk,
+# which has no choices); a choice's finish_reason is null until its last chunk.
+class CompletionChunkChoice(_Closed):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: StopReason
+
+
+class CompletionChunk(_Closed):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(_Closed):
+    role: Literal["assistant"] | None = None  # in the opening chunk
+    content: str | None = None
+
+
+class ChatChunkChoice(_Closed):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: StopReason = None  # absent from the opening chunk
+
+
+class ChatCompletionChunk(_Closed):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+_ERRORS = {
+    400: "Malformed JSON, a missing, mistyped, unknown or out-of-range field, text that is not valid Unicode, "
+         "or a prompt too long for the context.",
+    404: "No model of that name is served (code model_not_found).",
+    413: "The request body is over the server's --max-request-bytes.",
+    500: "The server failed; the message gives the request id, which the server's log line carries.",
+    503: "The model is still loading, or failed to load.",
+}
+_REQUEST_ID = {REQUEST_ID_HEADER: {"description": "This request's id, as the server logs it.", "required": True,
+                                   "schema": {"type": "string"}}}
+_EVENT_STREAM = ("With \"stream\": true, server-sent events whose data are {chunk} objects, an "
+                 "ErrorResponse if the request fails, and last `[DONE]`.")
+
+
+def _event(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event (OpenAPI 3.1 has a text/event-stream schema describe each event)."""
+    json_data = {"contentMediaType": "application/json", "contentSchema": {"anyOf": [
+        {"$ref": _REF.format(model=chunk.__name__)}, {"$ref": _REF.format(model=ErrorResponse.__name__)}]}}
+    data = {"type": "string", "pattern": r"^(\[DONE\]|\{.*\})$", "anyOf": [{"const": "[DONE]"}, json_data]}
+    return {"type": "object", "required": ["data"], "properties": {"data": data}}
+
+
+def responses(ok: type[BaseModel] | None, *errors: int, stream: type[BaseModel] | None = None,
+              ok_media: str | None = None, ok_description: str = "Success.") -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route: 200 (`ok` as JSON, `ok_media` as text, and with `stream`, the
+    events of that chunk model) and `errors`."""
+    success: dict[str, Any] = {"description": ok_description, "headers": _REQUEST_ID}
+    if ok is not None:
+        success["model"] = ok
+    if ok_media is not None:
+        success["content"] = {ok_media: {"schema": {"type": "string"}}}
+    if stream is not None:
+        success["description"] += " " + _EVENT_STREAM.format(chunk=stream.__name__)
+        success["content"] = {"text/event-stream": {"schema": _event(stream)}}
+    documented = {200: success}
+    error = {"application/json": {"schema": {"$ref": _REF.format(model=ErrorResponse.__name__)}}}
+    for status in errors:
+        documented[status] = {"content": error, "description": _ERRORS[status], "headers": _REQUEST_ID}
+    return documented
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The `openapi_extra=` of a route that parses `model` from its JSON body itself."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}}
+
+
+def install_openapi(app: FastAPI, request_models: list[type[BaseModel]], model_names: list[str]) -> None:
+    """app.openapi() with the error, stream chunk and `request_models` schemas among the
+    components, the latter's `model` field one of `model_names` (any other is a 404)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            described = [*request_models, ErrorResponse, CompletionChunk, ChatCompletionChunk]
+            _, defs = models_json_schema([(m, "validation") for m in described], ref_template=_REF)
+            for model in request_models:
+                defs["$defs"][model.__name__]["properties"]["model"]["enum"] = list(model_names)
+            document.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi

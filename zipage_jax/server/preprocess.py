@@ -1,0 +1,167 @@
+"""Work that would stall the event loop, done in a small thread pool: parsing request bodies,
+rendering chat templates and tokenizing.
+
+Each pool thread tokenizes with its own copy of the tokenizer (a fast tokenizer mutates itself
+while encoding and must not be shared between threads). A prompt too long to fit the context
+is refused before it is tokenized when its size in bytes alone proves it (see
+`bytes_per_token`), so the cost of tokenizing is bounded by the context, not by the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+
+from zipage_jax.chat import chat_prompt_ids
+from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.server.errors import OpenAIError, validation_error
+from zipage_jax.server.protocol import ChatCompletionRequest
+
+NUM_THREADS = 2  # one long request leaves a thread for the others
+# Normalizers that shrink UTF-8 text at most 4x (NFKC maps a 4-byte character to 1 byte; a
+# composition of a base and its marks shrinks less), and those that only insert or replace.
+_BOUNDED_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Prepend", "Replace"}
+_NORMALIZER_SHRINK = 4
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+class Preprocessor:
+    def __init__(self, num_threads: int = NUM_THREADS):
+        self._num_threads = num_threads
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="zipage-preprocess")
+        self._local = threading.local()
+        self._copies: list[Any] = []  # tokenizer copies not yet taken by a thread
+        self._bytes_per_token: int | None = None
+        self._lock = threading.Lock()
+
+    def prepare(self, engine: LLMEngine) -> None:
+        """Copies the engine's tokenizer for each thread; run where the engine is owned (the
+        copies take time that would otherwise pause the event loop at a thread's first request)."""
+        self._copies = [copy.deepcopy(engine.tokenizer) for _ in range(self._num_threads)]
+        self._bytes_per_token = bytes_per_token(engine.tokenizer)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- in a pool thread ----------------------------------------------------------------------
+
+    def parse(self, model: type[Body], raw: bytes, content_type: str | None) -> Body:
+        """The validated body, or OpenAIError 400 naming the first bad field."""
+        if content_type is not None and not _is_json(content_type):
+            raise OpenAIError(400, f"the request body must be JSON (Content-Type: application/json), "
+                              f"got Content-Type {content_type[:100]!r}")
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False)
+        if errors[0]["type"] == "json_invalid":
+            errors = _python_json_errors(model, raw) or errors
+        raise validation_error(RequestValidationError(errors))
+
+    def completion_prompts(self, prompt: str | list, max_model_len: int) -> list[list[int]]:
+        """Each prompt's token ids (strings tokenized)."""
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            prompt = [prompt]
+        return [self._tokenize(p, max_model_len) if isinstance(p, str) else list(p) for p in prompt]
+
+    def chat_prompt(self, body: ChatCompletionRequest, max_model_len: int) -> list[int]:
+        messages = [m.as_template_input() for m in body.messages]
+        tokenizer = self._refuse_if_too_long(sum(len(m["content"].encode()) for m in messages), max_model_len,
+                                             "the messages have", "messages")
+        try:
+            ids = chat_prompt_ids(tokenizer, messages, max_length=max_model_len)
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc), param="messages") from exc
+        _refuse_if_full(ids, max_model_len, "the messages have", "messages")
+        return ids
+
+    def _tokenize(self, text: str, max_model_len: int) -> list[int]:
+        tokenizer = self._refuse_if_too_long(len(text.encode()), max_model_len, "the prompt has", "prompt")
+        ids = list(tokenizer(text, truncation=True, max_length=max_model_len)["input_ids"])
+        _refuse_if_full(ids, max_model_len, "the prompt has", "prompt")
+        return ids
+
+    def _refuse_if_too_long(self, num_bytes: int, max_model_len: int, subject: str, param: str) -> Any:
+        """This thread's tokenizer, unless `num_bytes` of text surely exceed the context (400)."""
+        tokenizer, per_token = self._tokenizer()
+        if per_token is not None and num_bytes > max_model_len * per_token:
+            raise OpenAIError(400, f"{subject} at least {-(-num_bytes // per_token)} tokens but this model's "
+                              f"maximum context length is {max_model_len} tokens", param=param)
+        return tokenizer
+
+    def _tokenizer(self) -> tuple[Any, int | None]:
+        """This thread's copy of the tokenizer and the tokenizer's bytes_per_token."""
+        local = self._local
+        if not hasattr(local, "tokenizer"):
+            with self._lock:
+                local.tokenizer = self._copies.pop()
+        return local.tokenizer, self._bytes_per_token
+
+
+def _refuse_if_full(ids: list[int], max_model_len: int, subject: str, param: str) -> None:
+    """400 if `ids`, tokenized up to max_model_len, fill the context (no token left to generate)."""
+    if len(ids) >= max_model_len:
+        raise OpenAIError(400, f"{subject} at least {max_model_len} tokens but this model's maximum context length "
+                          f"is {max_model_len} tokens (at least one token must be generated)", param=param)
+
+
+def bytes_per_token(tokenizer: Any) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token covers, or None if there is none.
+
+    A byte-level BPE token stands for one byte per character of its vocabulary string; any other
+    for at most the UTF-8 bytes of that string (SentencePiece's "▁" is 3 bytes for a space);
+    times what the tokenizer's normalizer can shrink the text by. So a text of b bytes has at
+    least b / bytes_per_token tokens. None for a normalizer that may delete text."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if shrink is None:
+        return None
+    byte_level = (spec.get("decoder") or {}).get("type") == "ByteLevel"
+    added = tokenizer.get_added_vocab()  # matched in the raw text: they cover their UTF-8 bytes
+    longest = max(len(token) if byte_level and token not in added else len(token.encode("utf-8", "replace"))
+                  for token in tokenizer.get_vocab())
+    return max(longest, 4) * shrink  # an unknown character is one token of up to 4 bytes
+
+
+def _normalizer_shrink(normalizer: dict | None) -> int | None:
+    if normalizer is None:
+        return 1
+    parts = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else [normalizer]
+    if not all(p.get("type") in _BOUNDED_NORMALIZERS for p in parts):
+        return None
+    if any(p["type"] == "Replace" and len(p.get("content", "")) < 1 for p in parts):
+        return None  # replacing with nothing deletes text
+    return _NORMALIZER_SHRINK if any(p["type"].startswith("NF") for p in parts) else 1
+
+
+def _python_json_errors(model: type[BaseModel], raw: bytes) -> list[dict] | None:
+    """The errors for a body that Python's json reads but pydantic's does not (a lone surrogate
+    escape such as "\\ud800"): those of the parsed value, which name the field."""
+    try:
+        value = json.loads(raw)
+        model.model_validate(value)
+    except ValidationError as exc:
+        return exc.errors(include_url=False)
+    except ValueError:
+        return None
+    return None
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
