@@ -5,14 +5,15 @@ rows [R, C]) and `_compress`, traced with abstract arguments of the runner's sha
 lowered for ("cuda",) under abstract H200s: a 2-layer random decoder of the default model's
 shape (SmolLM2-135M: 9 / 3 heads, head dim 64) and of Qwen3-8B's (32 / 8 heads, head dim 128),
 bfloat16 and float32, blocks of 16 and 256 tokens, model-dtype and int8 pools, one device
-and a `tp` mesh of abstract devices (3 for 3 kv heads, 2 for 8: the Pallas kernels under
-shard_map see one shard's heads). Decode rows attend with the Pallas decode kernel, prefill
+and a `tp` mesh of abstract devices (3 for 3 kv heads, 2 for 8, and 16 for 8 repeated twice:
+the Pallas kernels under shard_map see one shard's heads). Decode rows attend with the Pallas decode kernel, prefill
 rows with XLA; compression scores and compacts with Pallas. This runs the Triton lowering
 of every kernel at the shapes the engine gives it; it compiles no PTX and runs nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from zipage_jax.compress.policies import compress_rows
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.runner import DeviceState, _compress, _forward_and_sample, bucket
 from zipage_jax.engine.sampling_batch import SamplingArrays
-from zipage_jax.engine.sharding import TensorParallel
+from zipage_jax.engine.sharding import TensorParallel, check_divisible
 from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.layers.paged_attention import StepInputs, uses_block_tables, xla_page_size
 from zipage_jax.layers.sampler import SamplerState
@@ -73,6 +74,7 @@ DEFAULT_CASES = {  # the default suite's share of the grid
 }
 GRID = [Case(model, dtype, bs, kv, tp) for model, (_, tp_size) in MODELS.items() for dtype in ("bfloat16", "float32")
         for bs in (16, 256) for kv in ("auto", "int8") for tp in (1, tp_size)]
+GRID += [Case("qwen3-8b", "bfloat16", bs, "int8", 16) for bs in (16, 256)]  # 8 kv heads, each on 2 devices
 
 
 def _params(grid):
@@ -84,11 +86,13 @@ class Engine:
 
     def __init__(self, case: Case):
         self.case = case
-        self.cfg, _ = MODELS[case.model]
+        cfg, _ = MODELS[case.model]
+        repeats = check_divisible(cfg, case.tp)  # > 1: kv heads repeated, as shard_ready does
+        self.cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * repeats)
         self.dtype = jnp.dtype(case.dtype)
         self.kv_dtype = kv_quant.kv_storage_dtype(case.kv_cache_dtype, self.dtype)
         self.mesh = h200_mesh(case.tp) if case.tp > 1 else None
-        self.tp = TensorParallel(self.mesh) if self.mesh is not None else None
+        self.tp = TensorParallel(self.mesh, kv_repeats=repeats) if self.mesh is not None else None
         self.max_blocks = MAX_MODEL_LEN // case.block_size
         self.num_blocks = 1 + MAX_NUM_SEQS * self.max_blocks // 4
         self.fns, params = split(Decoder(self.cfg, dtype=self.dtype, rngs=None))
@@ -201,6 +205,8 @@ def test_compress_step_lowers_with_the_pallas_kernels_per_shard(case):
     engine.check_partitions(text)
     calls = dict(triton_calls(text))
     assert set(calls) == {"zipage_attention_score", "zipage_compact"}, calls
+    # its one collective: with repeated kv heads, the gather of each copy's query group
+    assert ("stablehlo.all_gather" in text) == (engine.tp is not None and engine.tp.kv_repeats > 1)
     # compaction moves k, v and the per-token arrays (score cache, scales) as bits, one shard's heads
     per_token = 1 + 2 * kv_quant.is_quantized(engine.kv_dtype)
     assert engine.count_pools(calls["zipage_compact"]) == (2, per_token), calls["zipage_compact"]

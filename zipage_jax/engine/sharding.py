@@ -5,8 +5,10 @@ Megatron-style layout, expressed as NamedShardings so XLA's SPMD partitioner doe
                              grouped per kv head: a shard holds whole kv heads and their query heads)
   o_proj, down_proj          kernel [in, E] split on in; their outputs are the only all-reduces
   embeddings, norms, biases of o/down                   replicated
-  KV pool k, v [NB, BS, Hkv, D], score cache [NB, BS, Hkv]  split on Hkv
-  query cache [slots + 1, QL, Hq, D]                        split on Hq
+  KV pool k, v [NB, BS, Hkv, D]                          split on Hkv
+  score cache, quantized pools' scales [NB, BS, Hkv]     split on Hkv
+  query cache [slots + 1, QL, Hq, D]                     split on Hq
+  sampler state                                          replicated
 Shard s holds kv heads [s*Hkv/N, (s+1)*Hkv/N) and query heads [s*Hq/N, (s+1)*Hq/N): exactly
 the query heads of its kv heads (GQA groups are contiguous), so attention is local. When
 Hkv < N (and N divides Hq and Hkv divides N) every kv head is repeated N/Hkv times, as vLLM
@@ -16,8 +18,8 @@ Compression runs under shard_map: every shard scores, selects and compacts its o
 (scores and top-k are per kv head), so it has no collectives, except with repeated kv heads:
 then each copy gathers its whole query group's cached queries of the sequences being
 compressed (never the pool), so every copy keeps the tokens one device keeps. The Pallas decode kernel
-also needs shard_map (a pallas_call cannot be partitioned); the XLA attention is partitioned
-by XLA along the head axis.
+also needs shard_map (a pallas_call cannot be partitioned), its pools' scales split like the
+pools; the XLA attention is partitioned by XLA along the head axis.
 """
 
 from __future__ import annotations
