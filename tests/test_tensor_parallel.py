@@ -108,17 +108,61 @@ def test_tp2_weights_split_megatron_style_and_pool_split_on_heads(tp2):
         assert (s[name]["spec"], s[name]["shard_shape"], s[name]["devices"]) == (spec, shard_shape, 2), name
 
 
+def assert_two_all_reduces_per_layer(report: dict) -> None:
+    """Every compiled decode and prefill program: 2 all-reduces per layer, no other collective."""
+    kinds = set()
+    for key, ops in report["collectives"]["forward"].items():
+        kinds.add(key.split()[0])
+        assert list(ops) == ["all-reduce"] and len(ops["all-reduce"]) == 2 * report["num_layers"], (key, ops)
+    assert kinds == {"decode", "prefill"}, kinds
+
+
+def assert_compression_has_no_collective(report: dict) -> None:
+    compression = report["collectives"]["compression"]
+    assert compression and all(ops == {} for ops in compression.values()), compression
+
+
 def test_tp2_only_collectives_are_two_all_reduces_per_layer_and_compression_has_none(tp2):
-    layers = tp2["num_layers"]
-    for step in ("decode", "prefill"):
-        ops = tp2["collectives"][f"_forward_and_sample/{step}"]
-        assert list(ops) == ["all-reduce"] and len(ops["all-reduce"]) == 2 * layers, ops
-        assert all(shape.endswith(",96]") for shape in ops["all-reduce"])  # [B, C, E]: o_proj and down_proj
-    assert tp2["collectives"]["_compress"] == {}  # no all-gather of the pool: every shard works alone
+    assert_two_all_reduces_per_layer(tp2)  # the replicated sampler state adds no collective
+    for ops in tp2["collectives"]["forward"].values():  # [B, C, E]: after o_proj and after down_proj
+        assert all(shape.endswith(",96]") for shape in ops["all-reduce"]), ops
+    assert_compression_has_no_collective(tp2)  # no all-gather of the pool: every shard works alone
+
+
+def test_tp2_sampler_state_stays_replicated(tp2):
+    for name in ("last_token", "output_counts", "prompt_mask"):
+        entry = tp2["shardings"][f"sampler.{name}"]
+        assert (entry["spec"], entry["shard_shape"], entry["devices"]) == ([], entry["shape"], 2), name
 
 
 def test_tp2_steady_workload_never_recompiles(tp2):
-    assert tp2["compiles_in_steady_state"] == 0
+    assert tp2["compiles_in_steady_state"] == 0 and tp2["programs_added_in_steady_state"] == 0
+    assert tp2["repeat_identical"]
+
+
+# -- TP=2 with an int8 pool ---------------------------------------------------------------------
+
+
+def check_int8_report(report: dict) -> None:
+    """An int8 pool under TP: tokens equal one device's int8 tokens, with full KV and compressed,
+    and a second run's; the scales are split on kv heads like the pool."""
+    assert report["full_identical"] and report["compressed_identical"], report["tokens"]
+    assert report["repeat_identical"] and report["compiles_in_steady_state"] == 0
+    assert report["compressions_tp2"] == report["compressions_tp1"] > 0
+    s = report["shardings"]
+    assert (s["kv.k[0]"]["dtype"], s["kv.k[0]"]["shard_shape"]) == ("int8", [64, 16, 1, 16])
+    for name in ("kv.k_scales[0]", "kv.v_scales[0]"):
+        entry = s[name]
+        assert (entry["spec"], entry["shard_shape"], entry["devices"], entry["dtype"]) == \
+            ([None, None, "tp"], [64, 16, 1], 2, "float32"), name
+    assert_two_all_reduces_per_layer(report)
+    assert_compression_has_no_collective(report)
+
+
+def test_tp2_int8_pool_equals_tp1_int8_full_and_compressed(model_6_2, cache_dir):
+    # Scales are per token per kv head, computed where the head lives: TP quantizes as one device does.
+    check_int8_report(run_worker(model_6_2, 2, cache_dir, "--kv-cache-dtype", "int8", "--max-tokens", "60",
+                                 "--num-prompts", "2"))
 
 
 # -- sizes, devices, kv head repetition (this process, one device) -----------------------------
@@ -196,10 +240,12 @@ def test_tp4_with_repeated_kv_heads_equals_tp1(tiny_model_factory, cache_dir):
     assert report["num_kv_heads"] == 4
     assert report["shardings"]["kv.k[0]"]["shard_shape"] == [64, 16, 1, 16]
     assert report["shardings"]["layers.0.self_attn.qkv_proj.kernel"]["shard_shape"] == [64, (1 + 2) * 16]
+    assert_two_all_reduces_per_layer(report)
     # Compression gathers only the query group of the sequences it compresses ([B, QL, Hq, D]).
-    gathers = report["collectives"]["_compress"]
-    assert list(gathers) == ["all-gather"] and len(gathers["all-gather"]) == report["num_layers"]
-    assert all(re.fullmatch(r"f32\[\d+,16,4,16\]", shape) for shape in gathers["all-gather"]), gathers
+    assert report["collectives"]["compression"]
+    for gathers in report["collectives"]["compression"].values():
+        assert list(gathers) == ["all-gather"] and len(gathers["all-gather"]) == report["num_layers"]
+        assert all(re.fullmatch(r"f32\[\d+,16,4,16\]", shape) for shape in gathers["all-gather"]), gathers
 
 
 @pytest.mark.slow
@@ -208,7 +254,8 @@ def test_default_model_tp3_equals_tp1(cache_dir):
     assert report["full_identical"] and report["compressed_identical"], report["tokens"]
     assert report["compressions_tp3"] > 0 and report["compiles_in_steady_state"] == 0
     assert report["shardings"]["kv.k[0]"]["shard_shape"][2] == 1  # 3 kv heads, one per device
-    assert report["collectives"]["_compress"] == {}
+    assert_two_all_reduces_per_layer(report)
+    assert_compression_has_no_collective(report)
 
 
 @pytest.mark.slow
@@ -216,8 +263,16 @@ def test_pallas_kernels_under_shard_map_interpreted(model_6_2, cache_dir):
     report = run_worker(model_6_2, 2, cache_dir, "--backend", "pallas-interpret", "--max-tokens", "40",
                         "--num-prompts", "2")
     assert report["full_identical"] and report["compressed_identical"], report["tokens"]
-    assert report["compressions_tp2"] > 0
-    assert report["collectives"]["_compress"] == {}
+    assert report["repeat_identical"] and report["compressions_tp2"] > 0
+    assert_two_all_reduces_per_layer(report)
+    assert_compression_has_no_collective(report)
+
+
+@pytest.mark.slow
+def test_pallas_kernels_under_shard_map_interpreted_int8_pool(model_6_2, cache_dir):
+    # The decode kernel's k_scales / v_scales go through shard_map split on kv heads, like the pools.
+    check_int8_report(run_worker(model_6_2, 2, cache_dir, "--backend", "pallas-interpret", "--kv-cache-dtype",
+                                 "int8", "--max-tokens", "60", "--num-prompts", "2"))
 
 
 # -- two processes over jax.distributed (gloo collectives on CPU) -----------------------------

@@ -1,6 +1,7 @@
 """Tensor-parallel checks in a Python of their own, with 4 host devices (run by test_tensor_parallel.py).
 
     python tests/tp_worker.py MODEL TP [--max-tokens 100] [--kv-budget 32] [--num-prompts 4] [--backend B]
+        [--kv-cache-dtype auto|int8|fp8]
 
 Greedy tokens with TP and with one device, full KV and compressed (a per-request kv_budget),
 then what the sharded engine looks like: parameter and KV shardings, the collectives in the
@@ -23,7 +24,6 @@ from flax import nnx  # noqa: E402
 
 from zipage_jax import LLM  # noqa: E402
 from zipage_jax.crosscheck.tp import greedy_tokens  # noqa: E402
-from zipage_jax.engine import runner as runner_module  # noqa: E402
 from zipage_jax.models.weights import param_key  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 8, 11, 64, 65, 66, 3, 9, 1, 2, 77, 31, 33, 12], [300, 1, 2, 3], [7] * 37,
@@ -33,36 +33,24 @@ OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8, max
 COLLECTIVES = re.compile(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
 
 
-class StepRecorder:
-    """Wraps the runner's jitted steps to keep each kind's first arguments (as shapes + shardings)."""
+def collectives(steps) -> dict[str, dict[str, list[str]]]:
+    """Per compiled executable of `steps` (a runner's CompiledSteps): collective op name -> the
+    result shapes of its ops in the compiled HLO."""
+    out = {}
+    for key, exe in steps.executables.items():
+        ops: dict[str, list[str]] = {}
+        for shape, op in COLLECTIVES.findall(exe.as_text()):
+            ops.setdefault(op, []).append(shape.split("{")[0])
+        out[" ".join(map(str, key))] = ops
+    return out
 
-    def __init__(self):
-        self.calls: dict[str, tuple] = {}
-        for name in ("_forward_and_sample", "_compress"):
-            setattr(runner_module, name, self._wrap(name, getattr(runner_module, name)))
 
-    def _wrap(self, name, fn):
-        def wrapper(*args, **kwargs):
-            kind = name
-            if name == "_forward_and_sample":
-                kind += "/decode" if args[4].tokens.shape[1] == 1 else "/prefill"
-            abstract = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array)
-                else x, (args, kwargs))
-            self.calls.setdefault(kind, (fn, abstract))
-            return fn(*args, **kwargs)
-        return wrapper
-
-    def collectives(self) -> dict[str, dict[str, list[str]]]:
-        """Per recorded step: collective op name -> the result shapes of its ops in the compiled HLO."""
-        out = {}
-        for kind, (fn, (args, kwargs)) in self.calls.items():
-            hlo = fn.lower(*args, **kwargs).compile().as_text()
-            ops: dict[str, list[str]] = {}
-            for shape, op in COLLECTIVES.findall(hlo):
-                ops.setdefault(op, []).append(shape.split("{")[0])
-            out[kind] = ops
-        return out
+def use_backend(runner, backend: str) -> None:
+    """Switches a fresh runner's attention / compression backend (pallas-interpret is not an
+    EngineConfig choice: it only exists for tests on CPU)."""
+    assert runner.num_compiles == 0, "switch the backend before anything compiles"
+    runner.backend = backend
+    runner.forward.static["backend"] = runner.compressor.static["backend"] = backend
 
 
 def count_compiles(workload) -> int:
@@ -87,8 +75,13 @@ def shardings(llm) -> dict[str, dict]:
     runner = llm.engine.runner
     arrays = {param_key(path): var[...] for path, var in nnx.to_flat_state(runner.params)}
     arrays = {k: v for k, v in arrays.items() if k.startswith(("layers.0.", "embed_tokens."))}
-    arrays.update({"kv.k[0]": runner.kv.k[0], "kv.v[0]": runner.kv.v[0], "kv.queries[0]": runner.kv.queries[0]})
+    kv, sampler = runner.state
+    arrays.update({"kv.k[0]": kv.k[0], "kv.v[0]": kv.v[0], "kv.queries[0]": kv.queries[0]})
+    if kv.k_scales is not None:
+        arrays.update({"kv.k_scales[0]": kv.k_scales[0], "kv.v_scales[0]": kv.v_scales[0]})
+    arrays.update({f"sampler.{name}": x for name, x in sampler._asdict().items()})
     return {name: {"spec": [None if p is None else str(p) for p in x.sharding.spec], "shape": list(x.shape),
+                   "dtype": str(x.dtype),
                    "shard_shape": list(x.addressable_shards[0].data.shape), "devices": len(x.sharding.device_set)}
             for name, x in arrays.items()}
 
@@ -100,16 +93,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--kv-budget", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the pools of both engines: auto, int8 or fp8")
     parser.add_argument("--backend", default="xla", help="the TP engine's attention backend (pallas-interpret: "
                         "the Pallas kernels under shard_map, interpreted)")
     args = parser.parse_args()
     report: dict = {"devices": len(jax.devices())}
     tokens = {}
     for size in (1, args.tp):
-        recorder = StepRecorder() if size > 1 else None
-        llm = LLM(args.model, tensor_parallel_size=size, **OPTIONS)
+        llm = LLM(args.model, tensor_parallel_size=size, kv_cache_dtype=args.kv_cache_dtype, **OPTIONS)
+        runner = llm.engine.runner
         if size > 1:
-            llm.engine.runner.backend = args.backend
+            use_backend(runner, args.backend)
         compressions = llm.engine.stats.num_compressions
 
         def workload():
@@ -119,12 +113,17 @@ def main() -> None:
 
         tokens[size] = workload()
         report[f"compressions_tp{size}"] = llm.engine.stats.num_compressions - compressions
-        if recorder is not None:
-            report["compiles_in_steady_state"] = count_compiles(workload)
+        if size > 1:
+            programs = runner.num_compiles
+            repeated: list = []
+            report["compiles_in_steady_state"] = count_compiles(lambda: repeated.extend(workload()))  # noqa: B023
+            report["programs_added_in_steady_state"] = runner.num_compiles - programs
+            report["repeat_identical"] = tuple(repeated) == tokens[size]
             report["shardings"] = shardings(llm)
-            report["num_kv_heads"] = llm.engine.runner.model_config.num_kv_heads  # after any repetition
+            report["num_kv_heads"] = runner.model_config.num_kv_heads  # after any repetition
             report["num_layers"] = llm.engine.loaded.config.num_layers
-            report["collectives"] = recorder.collectives()
+            report["collectives"] = {"forward": collectives(runner.forward),
+                                     "compression": collectives(runner.compressor)}
         del llm
     report["tokens"] = {str(size): list(t) for size, t in tokens.items()}
     report["full_identical"] = tokens[1][0] == tokens[args.tp][0]

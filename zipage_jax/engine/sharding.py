@@ -5,8 +5,10 @@ Megatron-style layout, expressed as NamedShardings so XLA's SPMD partitioner doe
                              grouped per kv head: a shard holds whole kv heads and their query heads)
   o_proj, down_proj          kernel [in, E] split on in; their outputs are the only all-reduces
   embeddings, norms, biases of o/down                   replicated
-  KV pool k, v [NB, BS, Hkv, D], score cache [NB, BS, Hkv]  split on Hkv
-  query cache [slots + 1, QL, Hq, D]                        split on Hq
+  KV pool k, v [NB, BS, Hkv, D]                          split on Hkv
+  score cache, quantized pools' scales [NB, BS, Hkv]     split on Hkv
+  query cache [slots + 1, QL, Hq, D]                     split on Hq
+  sampler state                                          replicated
 Shard s holds kv heads [s*Hkv/N, (s+1)*Hkv/N) and query heads [s*Hq/N, (s+1)*Hq/N): exactly
 the query heads of its kv heads (GQA groups are contiguous), so attention is local. When
 Hkv < N (and N divides Hq and Hkv divides N) every kv head is repeated N/Hkv times, as vLLM
@@ -16,8 +18,8 @@ Compression runs under shard_map: every shard scores, selects and compacts its o
 (scores and top-k are per kv head), so it has no collectives, except with repeated kv heads:
 then each copy gathers its whole query group's cached queries of the sequences being
 compressed (never the pool), so every copy keeps the tokens one device keeps. The Pallas decode kernel
-also needs shard_map (a pallas_call cannot be partitioned); the XLA attention is partitioned
-by XLA along the head axis.
+also needs shard_map (a pallas_call cannot be partitioned), its pools' scales split like the
+pools; the XLA attention is partitioned by XLA along the head axis.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ TP = "tp"
 _COLUMN_PARALLEL = {"qkv_proj", "gate_proj", "up_proj"}
 _ROW_PARALLEL = {"o_proj", "down_proj"}
 _HEADS = P(None, None, TP, None)  # k, v pools and the query cache: [N0, N1, heads, D]
-_SCORE_HEADS = P(None, None, TP)  # score cache [NB, BS, Hkv]
+_TOKEN_HEADS = P(None, None, TP)  # score cache and quantized pools' scales [NB, BS, Hkv]
 
 logger = logging.getLogger("zipage_jax")
 
@@ -61,7 +63,7 @@ class TensorParallel:
         return _place(params, self.param_shardings(params))
 
     def kv_specs(self, kv: KVState) -> KVState:
-        per_token = lambda xs: None if xs is None else tuple(_SCORE_HEADS for _ in xs)  # noqa: E731
+        per_token = lambda xs: None if xs is None else tuple(_TOKEN_HEADS for _ in xs)  # noqa: E731
         return KVState(
             k=tuple(_HEADS for _ in kv.k), v=tuple(_HEADS for _ in kv.v),
             queries=tuple(_HEADS for _ in kv.queries),
@@ -109,11 +111,21 @@ class TensorParallel:
         return gathered, jnp.arange(query_ids.shape[0], dtype=query_ids.dtype)
 
     def per_shard_decode(self, kernel: Callable) -> Callable:
-        """shard_map of a decode kernel(q [B, Hq, D], k_pool, v_pool, block_tables, lens) -> [B, Hq, D]."""
+        """shard_map of a decode kernel(q [B, Hq, D], k_pool, v_pool, block_tables, lens, **scales) -> [B, Hq, D];
+        scales: k_scales, v_scales [NB, BS, Hkv] of a quantized pool, split on Hkv like the pools."""
         q_spec = P(None, TP, None)
-        return jax.shard_map(kernel, mesh=self.mesh, in_specs=(q_spec, _HEADS, _HEADS, P(), P()),
-                             out_specs=q_spec, check_vma=False)
 
+        def run(q, k_pool, v_pool, block_tables, lens, **scales):
+            names = tuple(scales)
+
+            def local(q, k_pool, v_pool, block_tables, lens, *scale_arrays):
+                return kernel(q, k_pool, v_pool, block_tables, lens, **dict(zip(names, scale_arrays)))
+
+            in_specs = (q_spec, _HEADS, _HEADS, P(), P()) + (_TOKEN_HEADS,) * len(names)
+            return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
+                q, k_pool, v_pool, block_tables, lens, *scales.values())
+
+        return run
 
 def param_spec(path: tuple) -> P:
     """PartitionSpec of the parameter at an nnx.State path (..., module, "kernel" | "bias")."""
