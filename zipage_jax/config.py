@@ -13,7 +13,7 @@ EVICTION_POLICIES = ("zipage", "streaming", "window", "vnorm-window")  # see zip
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """How a full sequence picks the tokens it keeps (ALGORITHM.md section 3).
+    """How a full sequence picks the tokens it keeps (docs/ALGORITHM.md sections 4-5).
 
     Frozen and hashable: it is a static argument of the jitted compression step.
     """

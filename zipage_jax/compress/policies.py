@@ -1,6 +1,6 @@
-"""Eviction policies beyond the reference (issue 8), named by `eviction_policy`.
+"""Eviction policies beyond the reference (docs/ALGORITHM.md section 5), named by `eviction_policy`.
 
-The reference policy ("zipage", ALGORITHM.md section 3) never comes through this module. Each
+The reference policy ("zipage", docs/ALGORITHM.md section 4) never comes through this module. Each
 policy here keeps the reference's scoring pipeline (attention of the cached queries, then the
 global score, pooling and redundancy when the config enables them) and changes one or two rules.
 Memory stays constant (top-k of exactly `budget_tokens` per (seq, kv head)) and compaction is
