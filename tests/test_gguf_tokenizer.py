@@ -20,7 +20,7 @@ TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello world, héllo there! It's 2024; we've got 12345 items (3.14%) -- isn't that   odd?",
     "Пример текста. Ελληνικά. العربية نص. हिन्दी पाठ. 日本語のテキスト、中文文本。한국어 텍스트.",
-    "Emoji: 😀👍🏽 👨\u200d👩\u200d👧\u200d👦 🇫🇷 ❤️ ✨ and a lone surrogate-free 🫠.",
+    "Emoji: 😀👍🏽 👨\u200d👩\u200d👧\u200d👦 🇫🇷 ❤️ ✨ 🫠 (newer emoji).",
     "def f(x):\n\tif x  >  0:\r\n        return x ** 2   \n\n\n    # trailing   \t\n}}{{",
     "   leading spaces,\u00a0no-break,\u200bzero-width,\u3000ideographic space, trailing  ",
     "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",

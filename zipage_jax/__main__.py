@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from zipage_jax.cli_options import add_distributed_arguments, add_engine_arguments, engine_options, start_distributed
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     add_distributed_arguments(gen)
     args = parser.parse_args(argv)
     _log_progress_to_stderr()
+    # transformers only builds the tokenizer here: its "PyTorch was not found" advice does not apply
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
     from zipage_jax import LLM, SamplingParams
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 from gguf import GGUFReader, TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from zipage_jax.models.gguf import field_value
+
 # Split patterns (`tokenizer.ggml.pre`) of the byte-level vocabularies, None = GPT-2's own.
 # SmolLM's llama.cpp pattern also splits digits one by one; its vocabulary has no token with
 # more than one digit, so GPT-2's pattern gives the same tokens.
@@ -46,21 +48,16 @@ TOKENIZER_KINDS = ("gpt2", "llama")
 SPIECE_SPACE = "\u2581"  # "▁"
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def gguf_tokenizer(reader: GGUFReader):
     """The file's tokenizer as a transformers PreTrainedTokenizerFast (chat template included)."""
     from transformers import PreTrainedTokenizerFast
 
-    kind = _field(reader, "tokenizer.ggml.model")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    kind = field_value(reader, "tokenizer.ggml.model")
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
     if not tokens:
         raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.tokens is missing)")
-    types = _field(reader, "tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
-    hf_json = _field(reader, "tokenizer.huggingface.json")
+    types = field_value(reader, "tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
+    hf_json = field_value(reader, "tokenizer.huggingface.json")
     if hf_json:
         backend = Tokenizer.from_str(hf_json)
     elif kind == "gpt2":
@@ -74,7 +71,7 @@ def gguf_tokenizer(reader: GGUFReader):
     _add_special_tokens(backend, tokens, types)
 
     def named(key: str) -> str | None:
-        token_id = _field(reader, f"tokenizer.ggml.{key}")
+        token_id = field_value(reader, f"tokenizer.ggml.{key}")
         return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
     return PreTrainedTokenizerFast(
@@ -84,9 +81,9 @@ def gguf_tokenizer(reader: GGUFReader):
         unk_token=named("unknown_token_id"),
         pad_token=named("padding_token_id"),
         # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
-        add_bos_token=bool(_field(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
-        add_eos_token=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
-        chat_template=_field(reader, "tokenizer.chat_template"),
+        add_bos_token=bool(field_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
+        add_eos_token=bool(field_value(reader, "tokenizer.ggml.add_eos_token", False)),
+        chat_template=field_value(reader, "tokenizer.chat_template"),
         clean_up_tokenization_spaces=False,
     )
 
@@ -100,7 +97,7 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 def _byte_level_bpe(reader: GGUFReader, tokens: list[str], types: list[int]) -> Tokenizer:
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    pre = field_value(reader, "tokenizer.ggml.pre", "default")
     if pre not in BYTE_LEVEL_SPLITS:
         raise ValueError(
             f"unsupported GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: {', '.join(BYTE_LEVEL_SPLITS)}"
@@ -115,7 +112,7 @@ def _byte_level_bpe(reader: GGUFReader, tokens: list[str], types: list[int]) -> 
         return "".join(alphabet[b] for b in token.encode("utf-8"))
 
     vocab = {spell(t, ty): i for i, (t, ty) in enumerate(zip(tokens, types))}
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
+    merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges", [])]
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     split = BYTE_LEVEL_SPLITS[pre]
     if split is None:
@@ -134,13 +131,13 @@ def _byte_level_bpe(reader: GGUFReader, tokens: list[str], types: list[int]) -> 
 def _sentencepiece_bpe(reader: GGUFReader, tokens: list[str], types: list[int]) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     if reader.fields.get("tokenizer.ggml.merges") is not None:
-        merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+        merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
     else:
-        scores = _field(reader, "tokenizer.ggml.scores")
+        scores = field_value(reader, "tokenizer.ggml.scores")
         if scores is None:
             raise ValueError("GGUF SentencePiece tokenizer has neither merges nor scores (tokenizer.ggml.scores)")
         merges = merges_from_scores(tokens, scores)
-    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    unk_id = field_value(reader, "tokenizer.ggml.unknown_token_id")
     backend = Tokenizer(
         models.BPE(
             vocab=vocab,
@@ -150,7 +147,7 @@ def _sentencepiece_bpe(reader: GGUFReader, tokens: list[str], types: list[int]) 
             byte_fallback=True,
         )
     )
-    prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    prefix = bool(field_value(reader, "tokenizer.ggml.add_space_prefix", True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement=SPIECE_SPACE, prepend_scheme="first" if prefix else "never", split=False
     )
