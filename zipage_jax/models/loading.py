@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from zipage_jax.models import gguf, safetensors_dir
 from zipage_jax.models.config import ModelConfig
-from zipage_jax.models.gguf_tokenizer import gguf_tokenizer
 from zipage_jax.models.decoder import Decoder
+from zipage_jax.models.gguf_tokenizer import gguf_tokenizer
 from zipage_jax.models.param_cache import ParamCache, fingerprint
 from zipage_jax.models.weights import decoder_from_flat, decoder_from_hf, flat_params, param_shapes
 
