@@ -7,9 +7,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from tokenizers import pre_tokenizers
+from tokenizers import normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from tiny_models import build_tokenizer
 from zipage_jax.chat import chat_prompt_ids
 from zipage_jax.models import gguf as ours_gguf
 from zipage_jax.models.gguf_tokenizer import gguf_tokenizer, merges_from_scores
@@ -96,8 +97,10 @@ def test_saved_and_reloaded_tokenizer_is_the_same(default_pair, tmp_path):
     assert reloaded.chat_template == ref.chat_template
 
 
-def _write_gguf(path: Path, kind: str, tokens: list[str], types: list[int], **metadata) -> Path:
-    """A one-tensor llama GGUF file holding a tokenizer (the parts transformers reads)."""
+def _write_gguf(path: Path, kind: str, tokens: list[str], types: list[int], strings: dict[str, str] | None = None,
+                **metadata) -> Path:
+    """A one-tensor llama GGUF file holding a tokenizer (the parts transformers reads); `strings`
+    are raw string keys, `metadata` go through GGUFWriter's add_<name> methods."""
     w = gguf.GGUFWriter(path, "llama")
     w.add_context_length(64)
     w.add_embedding_length(16)
@@ -112,6 +115,8 @@ def _write_gguf(path: Path, kind: str, tokens: list[str], types: list[int], **me
     w.add_token_types(types)
     for key, value in metadata.items():
         getattr(w, f"add_{key}")(value)
+    for key, value in (strings or {}).items():
+        w.add_string(key, value)
     w.add_tensor("token_embd.weight", np.zeros((len(tokens), 16), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -192,6 +197,21 @@ def test_split_patterns_differ_on_these_texts(tmp_path):
         ours = gguf_tokenizer(ours_gguf.open_gguf(_byte_level_gguf(tmp_path / f"{pre}.gguf", pre)))
         seen[pre] = [ours(t)["input_ids"] for t in SPLIT_TEXTS]
     assert seen["qwen2"] != seen["llama-bpe"] != seen["default"] != seen["qwen2"]
+
+
+def test_embedded_tokenizer_json_is_used_as_is(tmp_path):
+    """A file carrying Hugging Face's tokenizer.json gets exactly that tokenizer (here one whose
+    normalizer lower-cases, which no tokenizer.ggml.* key can express)."""
+    tiny = build_tokenizer(320)
+    tiny.backend_tokenizer.normalizer = normalizers.Lowercase()
+    tokens = [t for t, _ in sorted(tiny.get_vocab().items(), key=lambda kv: kv[1])]
+    types = [3 if t in tiny.all_special_tokens else 1 for t in tokens]
+    path = _write_gguf(tmp_path / "hf.gguf", "gpt2", tokens, types, eos_token_id=tiny.eos_token_id,
+                       strings={"tokenizer.huggingface.json": tiny.backend_tokenizer.to_str()})
+    ours = gguf_tokenizer(ours_gguf.open_gguf(path))
+    for text in TEXTS + ["THE Heather <|im_end|>"]:
+        assert ours(text)["input_ids"] == tiny(text)["input_ids"], text
+    assert ours("THE")["input_ids"] == ours("the")["input_ids"] and ours.eos_token == tiny.eos_token
 
 
 def test_unsupported_tokenizer_kind_and_split_pattern(tmp_path):
