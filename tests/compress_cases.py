@@ -1,4 +1,4 @@
-"""Random compression batches and a plain numpy loop version of ALGORITHM.md section 3."""
+"""Random compression batches and a plain numpy loop version of docs/ALGORITHM.md section 4."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ _STAGES = ("attn", "global_score", "pooled", "redundancy", "final", "keep")
 
 
 def spec_scores(case: Case, cfg: CaseConfig) -> SpecResult:
-    """ALGORITHM.md section 3, one sequence and one head at a time, in float64."""
+    """docs/ALGORITHM.md section 4, one sequence and one head at a time, in float64."""
     res = SpecResult([], [], [], [], [], [], case.score_cache.astype(np.float64))
     for b, n in enumerate(case.num_blocks):
         stages = _spec_sequence(case, cfg, b, int(n), res.score_cache) if n else (None,) * 6

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 
 import jax
@@ -59,6 +61,24 @@ def test_cache_round_trip(tiny_model_factory, tmp_path):
     assert not load_model(str(src), dtype="bfloat16", cache_dir=str(cache)).from_cache
     os.utime(src / "config.json", ns=(1, 1))
     assert not load_model(str(src), dtype="float32", cache_dir=str(cache)).from_cache
+
+
+def test_first_and_cached_loads_log_their_stages(tiny_model_factory, tmp_path, caplog):
+    src = tiny_model_factory("qwen3")
+    cache = str(tmp_path / "cache")
+    caplog.set_level(logging.INFO, logger="zipage_jax")
+    load_model(str(src), dtype="float32", cache_dir=cache)
+    first = [r.getMessage() for r in caplog.records if r.name == "zipage_jax"]
+    assert first[0] == f"first load of {src}: converting it to float32 once, then caching it in {cache}"
+    stages = [m.rsplit(": ", 1) for m in first[1:]]
+    assert [name.split(" of ")[0] for name, _ in stages] == [
+        "read the safetensors weights", "loaded the tokenizer", "converted the weights to float32 decoder parameters",
+        "wrote the converted parameters to the cache"]
+    assert all(re.fullmatch(r"\d+\.\d s", seconds) for _, seconds in stages)
+    caplog.clear()
+    load_model(str(src), dtype="float32", cache_dir=cache)
+    (cached,) = [r.getMessage() for r in caplog.records if r.name == "zipage_jax"]
+    assert re.fullmatch(rf"restored {src.name} \(float32\) from the cache {cache}/\w+: \d+\.\d s", cached)
 
 
 def test_cache_dir_from_environment(tiny_model_factory, tmp_path, monkeypatch):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 
 from zipage_jax.cli_options import add_distributed_arguments, add_engine_arguments, engine_options, start_distributed
@@ -24,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_arguments(gen)
     add_distributed_arguments(gen)
     args = parser.parse_args(argv)
+    _log_progress_to_stderr()
+    # transformers only builds the tokenizer here: its "PyTorch was not found" advice does not apply
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
     from zipage_jax import LLM, SamplingParams
 
@@ -47,6 +52,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{prompt}{result['text']}")
             print(f"[{result['finish_reason']}; {result['metrics']['completion_tokens']} tokens]", file=sys.stderr)
     return 0
+
+
+def _log_progress_to_stderr() -> None:
+    """Show the engine's INFO lines (model conversion and loading stages, with seconds) on stderr."""
+    log = logging.getLogger("zipage_jax")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False  # a library may have given the root logger a handler too
 
 
 if __name__ == "__main__":

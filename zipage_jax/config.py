@@ -14,7 +14,7 @@ Redundancy = Literal["none", "lightning", "raw"]
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """The engine-wide scoring options (docs/ALGORITHM.md section 3), a static argument of the
+    """The engine-wide scoring options (docs/ALGORITHM.md sections 4-5), a static argument of the
     jitted compression step. Built only by `EngineConfig.compression()`, so the defaults live in
     one place; a sequence's budget and policy are per-row values, not part of it."""
 

@@ -1,4 +1,4 @@
-"""The eviction policies: which tokens a full sequence keeps (docs/ALGORITHM.md section 4).
+"""The eviction policies: which tokens a full sequence keeps (docs/ALGORITHM.md section 5).
 
 A policy is one `Policy`: its name, how it scores tokens, and its default options (how many
 attention sinks and what share of the budget it protects as the most recent tokens). Everything

@@ -1,4 +1,4 @@
-"""Which tokens a full sequence keeps: docs/ALGORITHM.md section 3, per layer, batched over sequences.
+"""Which tokens a full sequence keeps: docs/ALGORITHM.md section 4, per layer, batched over sequences.
 
 Shapes: B sequences, W table entries, BS block size, T = W*BS, Hkv / Hq heads, D head dim.
 A sequence's valid blocks are the first `num_blocks[b]` entries of its table (all full at

