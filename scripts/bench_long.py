@@ -12,8 +12,9 @@ engine's default policy and scoring; engine options such as --eviction-policy ch
 "full" keeps every token. The pool defaults to what compression needs to hold all N at once,
 N * (budget / block + 1) + 1 blocks, so full KV holds fewer and preempts or queues the rest.
 Both engines first compile every program they can reach (`LLMEngine.warmup`, untimed); then
-their steps are interleaved, the engine with fewer generated tokens stepping next (as in
-bench_throughput.py), so both see the same load on a shared machine.
+their steps are interleaved in turns of 16 steps, the engine with fewer generated tokens
+taking the next turn (as in bench_throughput.py), so both see the same load on a shared
+machine; a turn ends with a wait for the engine's dispatched work, added to its last step.
 
 Windows are positions in each request's generation: window k holds tokens [k W, (k+1) W) of
 every request (W = --window). A step belongs to the window of the median position of the
@@ -37,9 +38,10 @@ totals; then "goals", the pool (blocks, bytes per block), the workload and the m
 average at the start and the end.
 
 The default preset is the mission's workload (32 requests x 4096 tokens: a GPU run; hours on a
-2-core CPU). `--quick` runs in under 10 minutes on the 2-core CPU with the default model once
-the persistent compilation cache is warm: 4 requests x 2048 tokens, block 64, budget 256, a
-pool sized so that full KV holds one request.
+2-core CPU). `--quick` is sized for about 10 minutes on the 2-core CPU with the default model
+once the persistent compilation cache is warm (the first run compiles about 40 programs, a few
+minutes more): 2 requests x 2048 tokens, block 64, budget 256, a pool of 35 blocks, in which
+full KV holds both requests up to about 1,000 tokens each and one after that.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ PRESETS = {
     # the mission's workload: 32 concurrent requests of 4096 tokens, budget 256
     "default": LongWorkload(requests=32, prompt_len_min=64, prompt_len_max=256, max_tokens=4096, block_size=64,
                             budget_tokens=256),
-    # under 10 minutes on a 2-core CPU; the pool (35 blocks of 64) holds one full KV request
-    "quick": LongWorkload(requests=4, prompt_len_min=32, prompt_len_max=64, max_tokens=2048, block_size=64,
+    # about 10 minutes on a 2-core CPU; the pool (35 blocks of 64) holds one full KV request
+    "quick": LongWorkload(requests=2, prompt_len_min=32, prompt_len_max=64, max_tokens=2048, block_size=64,
                           budget_tokens=256, pool_blocks=35),
 }
 
@@ -102,7 +104,7 @@ PRESETS = {
 @dataclass
 class StepRecord:
     window: int
-    seconds: float  # step() wall time (EngineStats.step_seconds)
+    seconds: float  # step() wall time (EngineStats.step_seconds), plus the wait at the end of a turn
     host_seconds: float  # of which host work (engine.last_step_host_seconds)
     tokens: int  # generated tokens the step handed back
     compiles: int
@@ -154,6 +156,12 @@ class WindowedRun(bt.EngineRun):
         if self.log and self.generated // per_window > self._logged:
             self._logged = self.generated // per_window
             self.log(f"{self.name}: {self.generated} tokens generated, {len(self.steps)} steps")
+
+    def end_turn(self) -> None:
+        """The wait for the device at the end of a turn belongs to the turn's last step."""
+        waited = self.wait_for_device()
+        if self.steps:
+            self.steps[-1].seconds += waited
 
     def first_full_window(self) -> int | None:
         """The first window starting after every request's first compaction (None: none compressed)."""

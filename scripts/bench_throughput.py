@@ -12,9 +12,11 @@ runs) are run twice in one process: with full KV, and with compression to
 lightning redundancy). The pool defaults to what compression needs to hold every request at
 once, so full KV holds only a few and preempts or queues the rest.
 
-The two engines are stepped in turn, the one with fewer tokens so far next, and each is timed
-over its own steps only: both finish together and see the same load on a shared machine
-(`--sequential` runs full KV, then Zipage). Each engine first compiles every program its
+The two engines are stepped in turns of 16 steps, the one with fewer tokens so far next, and
+each is timed over its own steps only, a turn ending with a wait for the engine's dispatched
+work (asynchronous scheduling would otherwise leave it running during the other engine's
+turn): both finish together and see the same load on a shared machine (`--sequential` runs
+full KV, then Zipage). Each engine first compiles every program its
 configuration can reach (`LLMEngine.warmup`, untimed); the engine counts its compiles, and
 any compile in the timed run (`compiles_in_timed_run`, 0 after a warm-up) is left out of the
 step times and of the compaction time (`--no-warmup` compiles on first use instead, its time
@@ -219,6 +221,14 @@ class EngineRun:
         """Programs compiled since the run started (after the warm-up)."""
         return self.engine.get_stats().num_compiles - self.compiles_at_start
 
+    def wait_for_device(self) -> float:
+        """Blocks until the engine's dispatched work is done; returns the seconds waited."""
+        import jax
+
+        start = time.perf_counter()
+        jax.block_until_ready(self.engine.runner.state)
+        return time.perf_counter() - start
+
 
 class TimedRun(EngineRun):
     """One engine working through the workload, one step at a time, timing only its own steps
@@ -252,6 +262,9 @@ class TimedRun(EngineRun):
                 self.finished[out.request_id] = out.to_dict()
         self.running.append(self.engine.get_stats().num_running)
 
+    def end_turn(self) -> None:
+        self.seconds += self.wait_for_device()
+
     def results(self) -> list[dict]:
         results = [self.finished[i] for i in self.ids]
         lengths = {len(r["token_ids"]) for r in results}
@@ -261,12 +274,22 @@ class TimedRun(EngineRun):
         return results
 
 
-def drive(runs: list, interleave: bool) -> None:
-    """Steps the runs to completion: one after the other, or interleaved so that the run with
-    the fewest tokens so far steps next (all finish together and see the same machine load)."""
+TURN_STEPS = 16  # steps an interleaved run takes before the next run's turn
+
+
+def drive(runs: list, interleave: bool, turn_steps: int = TURN_STEPS) -> None:
+    """Steps the runs to completion: one after the other, or interleaved, in turns of
+    `turn_steps` steps, the run with the fewest tokens so far taking the next turn (all finish
+    together and see the same machine load). A turn ends by waiting for the run's dispatched
+    work (`end_turn`, counted in its time): with asynchronous scheduling, an engine's last step
+    would otherwise run on the device during the next engine's turn and be timed there."""
     while pending := [r for r in runs if not r.done]:
         run = min(pending, key=lambda r: r.generated) if interleave else pending[0]
-        run.step()
+        for _ in range(turn_steps if interleave else sys.maxsize):
+            run.step()
+            if run.done:
+                break
+        run.end_turn()
 
 
 def summarize(run: TimedRun, warm: dict) -> dict:

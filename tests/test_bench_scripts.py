@@ -66,14 +66,22 @@ class FakeRun:
         self.generated += self.rate
         self.order.append(self.name)
 
+    def end_turn(self):
+        self.order.append("|")
+
 
 def test_drive_interleaves_by_tokens_so_far_or_runs_in_turn():
     order = []
-    bt.drive([FakeRun("full", 1, 8, order), FakeRun("zipage", 4, 8, order)], interleave=True)
-    assert order == ["full", "zipage", "full", "full", "full", "full", "zipage", "full", "full", "full"]
+    bt.drive([FakeRun("full", 1, 8, order), FakeRun("zipage", 4, 8, order)], interleave=True, turn_steps=1)
+    assert [x for x in order if x != "|"] == ["full", "zipage", "full", "full", "full", "full", "zipage", "full",
+                                              "full", "full"]
+    assert order[:4] == ["full", "|", "zipage", "|"]  # every turn ends waiting for its device work
+    order.clear()
+    bt.drive([FakeRun("full", 1, 8, order), FakeRun("zipage", 4, 8, order)], interleave=True, turn_steps=2)
+    assert "".join(x[0] for x in order) == "ff|zz|ff|ff|ff|"
     order.clear()
     bt.drive([FakeRun("full", 1, 3, order), FakeRun("zipage", 4, 8, order)], interleave=False)
-    assert order == ["full"] * 3 + ["zipage"] * 2
+    assert order == ["full"] * 3 + ["|"] + ["zipage"] * 2 + ["|"]
 
 
 def test_prompts_are_mixed_lengths_of_distinct_text(llama_dir):
