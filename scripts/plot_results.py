@@ -171,7 +171,7 @@ def plot_long(data: dict, out: Path) -> list[str]:
                 ax.plot(xs, ys, marker="o", label=label, linestyle="-" if run == "compressed" else "--")
         first = data["compressed"].get("first_full_window")
         if first is not None:
-            ax.axvline(first * window, color="grey", linewidth=1, linestyle=":", label="budget full")
+            ax.axvline(first * window, color="grey", linewidth=1, linestyle=":", label="first window after the budget fills")
         ax.set_xlabel(f"generated tokens per request (windows of {window})")
         ax.set_ylim(bottom=0)
         ax.set_title(title, fontsize=10)
