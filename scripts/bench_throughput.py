@@ -3,6 +3,7 @@
     python scripts/bench_throughput.py [--quick] [--json] [--requests 32] [--max-tokens 512]
         [--prompt-len 32 256] [--sequential] [--model default] [engine options, e.g. --max-cache-blocks-per-seq 4]
     python scripts/bench_throughput.py --quick --json --budgets 2 4 8 --policies zipage window   # sweep
+    python scripts/bench_throughput.py --quick --json --kv-cache-dtype int8   # + quantized pools, same bytes
 
 One workload (long greedy generations with `ignore_eos`, mixed prompt lengths cut from the
 standard library's argparse.py) and one KV pool (`--num-kvcache-blocks`, the same for both
@@ -11,19 +12,33 @@ runs) are run twice in one process: with full KV, and with compression to
 lightning redundancy). The pool defaults to what compression needs to hold every request at
 once, so full KV holds only a few and preempts or queues the rest.
 
-The two engines are stepped in turn, the one with fewer tokens so far next, and each is timed
-over its own steps only: both finish together and see the same load on a shared machine
-(`--sequential` runs full KV, then Zipage). Each engine first warms up on the same prompts
-(a short, untimed generation that compiles the prefill and first decode shapes); shapes first
-met in the timed run compile there, and that compile time (JAX's compile events) is left out
-of the step times and of the compaction time. Compactions are timed by blocking on each
-(`profile_compress`), so they never overlap the host's work.
+The two engines are stepped in turns of 16 steps, the one with fewer tokens so far next, and
+each is timed over its own steps only, a turn ending with a wait for the engine's dispatched
+work (asynchronous scheduling would otherwise leave it running during the other engine's
+turn): both finish together and see the same load on a shared machine (`--sequential` runs
+full KV, then Zipage). Each engine first compiles every program its
+configuration can reach (`LLMEngine.warmup`, untimed); the engine counts its compiles, and
+any compile in the timed run (`compiles_in_timed_run`, 0 after a warm-up) is left out of the
+step times and of the compaction time (`--no-warmup` compiles on first use instead, its time
+left out the same way). Compactions are timed by blocking on each (`profile_compress`), so
+they never overlap the host's work.
+
+Pool sizing is explicit in the output: `pool` gives the KV dtype, bytes per block (K and V of
+every layer, plus the scales of a quantized pool: `LLMEngine.block_bytes`), blocks (the dummy
+block 0 included) and usable bytes. `--kvcache-memory-gb G` sizes the pool in bytes instead of
+blocks, as the engine does (G GiB / bytes per block, plus the dummy block).
+
+`--kv-cache-dtype int8` (or `fp8`) adds quantized pools of the SAME BYTES as the default
+dtype's: about 2x the blocks against bfloat16, about 4x against float32 (CPU), less the
+scales. Full KV and Zipage then run at both dtypes, all four engines interleaved, and the JSON
+gains "kv_cache_dtype_comparison": per dtype its pool (blocks, bytes per block), tokens/s and
+concurrency (mean / peak running) side by side, and the quantized / default ratios.
 
 The default preset is the 32-request measurement of issue 4 (20-30 minutes on a 2-core CPU,
 a few on a GPU); `--quick` is a scaled-down one (6 requests, about 4 minutes on 2 busy cores
 once the persistent compilation cache is warm; the first run on a machine compiles longer). The last line of `--json`
 is one JSON object: throughput_full, throughput_zipage, speedup, compress_time_share, the
-per-run figures under "full" / "zipage", and the workload.
+per-run figures under "full" / "zipage" (every run under "runs"), the pool and the workload.
 
 Sweep (`--budgets M1 M2 ...` and/or `--policies P1 P2 ...`): full KV once and compression with
 every (policy, budget) pair, all on one pool sized for the LARGEST budget
@@ -57,25 +72,79 @@ class Workload:
     max_tokens: int
     block_size: int
     budget_blocks: int  # M: blocks kept per compressed sequence
-    pool_blocks: int | None = None  # None: (M + 1) per request, plus the dummy block
-    warmup_tokens: int = 8
+    pool_blocks: int | None = None  # None: (M + 1) per request, plus the dummy block (or pool_gb)
+    pool_gb: float | None = None  # the pool in GiB instead (bytes / bytes per block, plus the dummy block)
     seed: int = 0
 
     @property
     def num_pool_blocks(self) -> int:
+        """The pool in blocks of the default KV dtype (when not given in bytes)."""
         return self.pool_blocks or self.requests * (self.budget_blocks + 1) + 1
 
     def check(self) -> None:
-        if self.requests < 1 or self.max_tokens < 1 or self.warmup_tokens < 1:
-            raise ValueError("requests, max_tokens and warmup_tokens must be >= 1")
+        if self.requests < 1 or self.max_tokens < 1:
+            raise ValueError("requests and max_tokens must be >= 1")
         if not 1 <= self.prompt_len_min <= self.prompt_len_max:
             raise ValueError(f"need 1 <= prompt_len_min <= prompt_len_max, "
                              f"got {self.prompt_len_min}, {self.prompt_len_max}")
-        pool_tokens = (self.num_pool_blocks - 1) * self.block_size
+        if self.pool_blocks is not None and self.pool_gb is not None:
+            raise ValueError("give the pool in blocks or in GiB, not both")
+        if self.pool_gb is None:
+            self.check_fits(self.num_pool_blocks)
+
+    def check_fits(self, pool_blocks: int) -> None:
+        """ValueError unless full KV can hold the longest request in a pool of `pool_blocks`."""
+        pool_tokens = (pool_blocks - 1) * self.block_size
         longest = self.prompt_len_max + self.max_tokens
         if longest > pool_tokens:
             raise ValueError(f"the longest request ({longest} tokens) does not fit the pool of {pool_tokens} "
                              "tokens with full KV: raise --num-kvcache-blocks or lower --max-tokens")
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One engine's KV pool: `blocks` blocks (the dummy block 0 included) of `block_bytes` each."""
+
+    kv_cache_dtype: str  # the engine option: "auto", "int8" or "fp8"
+    kv_dtype: str  # what the pool stores
+    block_bytes: int  # K and V of every layer (and a quantized pool's scales)
+    blocks: int
+    block_size: int
+
+    @property
+    def bytes(self) -> int:
+        """Usable bytes (the dummy block left out, as kvcache_memory_gb counts them)."""
+        return (self.blocks - 1) * self.block_bytes
+
+    @property
+    def tokens(self) -> int:
+        return (self.blocks - 1) * self.block_size
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "bytes": self.bytes, "tokens": self.tokens}
+
+
+def block_bytes(loaded, block_size: int, kv_cache_dtype: str, tensor_parallel_size: int = 1) -> tuple[str, int]:
+    """(stored dtype, bytes per block) of an engine's pool, as LLMEngine computes them."""
+    from pallas_kernels.kv_quant import kv_storage_dtype
+    from zipage_jax.engine.llm_engine import kv_block_bytes
+
+    mc = loaded.config
+    dtype = kv_storage_dtype(kv_cache_dtype, loaded.model.dtype)
+    kv_heads = -(-mc.num_kv_heads // tensor_parallel_size)  # per device
+    return dtype.name, kv_block_bytes(mc.num_layers, block_size, kv_heads, mc.head_dim, dtype)
+
+
+def size_pools(workload: Workload, loaded, kv_cache_dtypes: list[str], tensor_parallel_size: int = 1
+               ) -> dict[str, Pool]:
+    """One pool per KV dtype, all of the same bytes: the workload's pool in blocks of the first
+    dtype (or `pool_gb`), and as many blocks of each other dtype as those bytes hold."""
+    sizes = {d: block_bytes(loaded, workload.block_size, d, tensor_parallel_size) for d in kv_cache_dtypes}
+    first = sizes[kv_cache_dtypes[0]][1]
+    total = int(workload.pool_gb * 2**30) if workload.pool_gb else (workload.num_pool_blocks - 1) * first
+    pools = {d: Pool(d, name, size, total // size + 1, workload.block_size) for d, (name, size) in sizes.items()}
+    workload.check_fits(min(p.blocks for p in pools.values()))
+    return pools
 
 
 PRESETS = {
@@ -84,7 +153,7 @@ PRESETS = {
                         budget_blocks=4),
     # a few minutes on a 2-core CPU; full KV holds about one request at once
     "quick": Workload(requests=6, prompt_len_min=16, prompt_len_max=48, max_tokens=208, block_size=16,
-                      budget_blocks=2, warmup_tokens=4),
+                      budget_blocks=2),
 }
 
 
@@ -103,74 +172,41 @@ def make_prompts(tokenizer, workload: Workload) -> list[list[int]]:
     return [tokens[i * stride:i * stride + n] for i, n in enumerate(lengths)]
 
 
-class CompileTimer:
-    """Wall time spent tracing, lowering and compiling (JAX compile events), by function."""
-
-    PREFIX = "/jax/core/compile/"
-
-    def __init__(self):
-        self.spans: list[tuple[float, float, str]] = []
-        self.num_compiles = 0  # lowerings to MLIR: one per new shape (then compiled or read from disk)
-
-    def __enter__(self) -> "CompileTimer":
-        from jax import monitoring
-
-        monitoring.register_event_time_span_listener(self._listen)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        from jax import monitoring
-
-        monitoring.unregister_event_time_span_listener(self._listen)
-
-    def _listen(self, event: str, start: float, end: float, **kwargs) -> None:
-        if event.startswith(self.PREFIX):
-            self.num_compiles += event.endswith("jaxpr_to_mlir_module_duration")
-            self.spans.append((start, end, str(kwargs.get("fun_name", ""))))
-
-    def intervals(self) -> list[tuple[float, float, str]]:
-        """Disjoint intervals, each named by the outermost function compiled in it."""
-        merged: list[list] = []
-        for start, end, name in sorted(self.spans):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end, name])
-        return [tuple(m) for m in merged]
-
-    def seconds(self, name_contains: str = "") -> float:
-        return sum(end - start for start, end, name in self.intervals() if name_contains in name)
-
-
-def engine_config(model: str, workload: Workload, compressed: bool, options: dict):
+def engine_config(model: str, workload: Workload, compressed: bool, options: dict, pool: Pool,
+                  scoring: dict = RECOMMENDED_SCORING):
+    """The engine of one run: `options`, then the workload's sizes and `pool`; compressed runs
+    get `scoring` (under the options) and the workload's budget."""
     from zipage_jax import EngineConfig
 
     base = dict(max_num_seqs=workload.requests, max_model_len=workload.prompt_len_max + workload.max_tokens)
-    base.update(options)
-    base.update(model=model, kvcache_block_size=workload.block_size, num_kvcache_blocks=workload.num_pool_blocks)
+    base.update({k: v for k, v in options.items() if k != "kvcache_memory_gb"})
+    base.update(model=model, kvcache_block_size=workload.block_size, num_kvcache_blocks=pool.blocks,
+                kv_cache_dtype=pool.kv_cache_dtype)
     if compressed:
-        base = {**RECOMMENDED_SCORING, **base, "max_cache_blocks_per_seq": workload.budget_blocks}
+        base = {**scoring, **base, "max_cache_blocks_per_seq": workload.budget_blocks}
     else:
         base["max_cache_blocks_per_seq"] = None
     return EngineConfig.from_options(**base)
 
 
-class TimedRun:
-    """One engine working through the workload, one step at a time, timing only its own steps
-    (less the compile time inside them) and sampling its stats after each."""
+def compile_seconds(runner) -> float:
+    """Seconds a runner has spent compiling, every program so far."""
+    return sum(sum(steps.compile_seconds.values()) for steps in (runner.forward, runner.compressor, runner.seeder))
 
-    def __init__(self, name: str, engine, prompts: list[list[int]], max_tokens: int, compiles: CompileTimer):
-        from zipage_jax import SamplingParams
 
-        self.name, self.engine, self.max_tokens, self.compiles = name, engine, max_tokens, compiles
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        self.ids = [engine.add_request(p, params) for p in prompts]
-        self.finished: dict[str, dict] = {}
-        self.running: list[int] = []
-        self.seconds = 0.0
-        self.compile_seconds = 0.0
-        self.compress_compile_seconds = 0.0
-        self.num_compiles = 0
+def warm_up(engine, warmup: bool = True) -> dict:
+    """Compiles every program the engine can reach (untimed); returns what it took."""
+    start = time.perf_counter()
+    compiled = engine.warmup(progress=False) if warmup else 0
+    return {"warmup_seconds": time.perf_counter() - start, "warmup_programs_compiled": compiled}
+
+
+class EngineRun:
+    """An engine with its requests added, stepped by `drive` (the run with fewer tokens first)."""
+
+    def __init__(self, name: str, engine):
+        self.name, self.engine = name, engine
+        self.compiles_at_start = engine.get_stats().num_compiles  # stats.num_compiles is refreshed by step()
 
     @property
     def done(self) -> bool:
@@ -180,21 +216,54 @@ class TimedRun:
     def generated(self) -> int:
         return self.engine.stats.generation_tokens
 
+    @property
+    def num_compiles(self) -> int:
+        """Programs compiled since the run started (after the warm-up)."""
+        return self.engine.get_stats().num_compiles - self.compiles_at_start
+
+    def wait_for_device(self) -> float:
+        """Blocks until the engine's dispatched work is done; returns the seconds waited."""
+        import jax
+
+        start = time.perf_counter()
+        jax.block_until_ready(self.engine.runner.state)
+        return time.perf_counter() - start
+
+
+class TimedRun(EngineRun):
+    """One engine working through the workload, one step at a time, timing only its own steps
+    (less the compile time inside them) and sampling its stats after each."""
+
+    def __init__(self, name: str, engine, prompts: list[list[int]], max_tokens: int):
+        from zipage_jax import SamplingParams
+
+        super().__init__(name, engine)
+        self.max_tokens = max_tokens
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.ids = [engine.add_request(p, params) for p in prompts]
+        self.finished: dict[str, dict] = {}
+        self.running: list[int] = []
+        self.seconds = 0.0
+        self.compile_seconds = 0.0
+        self.compress_compile_seconds = 0.0
+
     def step(self) -> None:
-        before, before_compress = self.compiles.seconds(), self.compiles.seconds("compress")
-        before_count = self.compiles.num_compiles
+        runner = self.engine.runner
+        before, before_compress = compile_seconds(runner), sum(runner.compressor.compile_seconds.values())
         start = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
-        compiled = self.compiles.seconds() - before
+        compiled = compile_seconds(runner) - before
         self.compile_seconds += compiled
-        self.compress_compile_seconds += self.compiles.seconds("compress") - before_compress
+        self.compress_compile_seconds += sum(runner.compressor.compile_seconds.values()) - before_compress
         self.seconds += max(0.0, elapsed - compiled)
-        self.num_compiles += self.compiles.num_compiles - before_count
         for out in outputs:
             if out.finished:
                 self.finished[out.request_id] = out.to_dict()
         self.running.append(self.engine.get_stats().num_running)
+
+    def end_turn(self) -> None:
+        self.seconds += self.wait_for_device()
 
     def results(self) -> list[dict]:
         results = [self.finished[i] for i in self.ids]
@@ -205,29 +274,40 @@ class TimedRun:
         return results
 
 
-def drive(runs: list[TimedRun], interleave: bool) -> None:
-    """Steps the runs to completion: one after the other, or interleaved so that the run with
-    the fewest tokens so far steps next (all finish together and see the same machine load)."""
+TURN_STEPS = 16  # steps an interleaved run takes before the next run's turn
+
+
+def drive(runs: list, interleave: bool, turn_steps: int = TURN_STEPS) -> None:
+    """Steps the runs to completion: one after the other, or interleaved, in turns of
+    `turn_steps` steps, the run with the fewest tokens so far taking the next turn (all finish
+    together and see the same machine load). A turn ends by waiting for the run's dispatched
+    work (`end_turn`, counted in its time): with asynchronous scheduling, an engine's last step
+    would otherwise run on the device during the next engine's turn and be timed there."""
     while pending := [r for r in runs if not r.done]:
         run = min(pending, key=lambda r: r.generated) if interleave else pending[0]
-        run.step()
+        for _ in range(turn_steps if interleave else sys.maxsize):
+            run.step()
+            if run.done:
+                break
+        run.end_turn()
 
 
-def summarize(run: TimedRun, warmup_seconds: float) -> dict:
+def summarize(run: TimedRun, warm: dict) -> dict:
     engine, results = run.engine, run.results()
     stats = engine.get_stats()
     if engine.block_manager.num_free_blocks != engine.block_manager.num_usable_blocks:
         raise RuntimeError(f"{run.name}: KV blocks leaked after the run")
     compress_seconds = max(0.0, engine.runner.compress_seconds - run.compress_compile_seconds)
     output_tokens = sum(len(r["token_ids"]) for r in results)
-    compressed = engine.config.max_cache_blocks_per_seq is not None
+    config = engine.config
+    compressed = config.max_cache_blocks_per_seq is not None
     return {
         "throughput": output_tokens / run.seconds,
         "output_tokens": output_tokens,
         "wall_seconds": run.seconds,
         "compile_seconds_excluded": run.compile_seconds,
         "compiles_in_timed_run": run.num_compiles,
-        "warmup_seconds": warmup_seconds,
+        **warm,
         "steps": len(run.running),
         "mean_running": float(np.mean(run.running)),
         "peak_running": int(max(run.running)),
@@ -239,54 +319,45 @@ def summarize(run: TimedRun, warmup_seconds: float) -> dict:
         "prefill_tokens": stats.prefill_tokens,
         "kv_blocks_peak_max": max(r["metrics"]["kv_blocks_peak"] for r in results),
         "query_slots": stats.num_query_slots if compressed else None,
+        "kv_cache_dtype": config.kv_cache_dtype,
+        "pool_blocks": config.num_kvcache_blocks,
+        "block_bytes": engine.block_bytes,
+        "pool_bytes": (config.num_kvcache_blocks - 1) * engine.block_bytes,
     }
 
 
-def bench_modes(loaded, model: str, workload: Workload, prompts: list[list[int]], options: dict,
-                interleave: bool = True, log=None, configs: dict | None = None) -> dict[str, dict]:
-    """Full KV and Zipage (or the named `configs`) on fresh engines sharing the loaded model,
-    each after a warm-up."""
+def bench_modes(loaded, configs: dict, prompts: list[list[int]], max_tokens: int, interleave: bool = True,
+                log=None, warmup: bool = True) -> dict[str, dict]:
+    """The named engine configs on fresh engines sharing the loaded model, each warmed up, then
+    all timed on the same prompts."""
     from zipage_jax.engine.llm_engine import LLMEngine
 
-    configs = configs or {"full": engine_config(model, workload, False, options),
-                          "zipage": engine_config(model, workload, True, options)}
-    warmup_seconds = {}
+    runs, warm = [], {}
     for name, config in configs.items():
-        start = time.perf_counter()
-        warm = TimedRun(name, LLMEngine(config, loaded=loaded), prompts, workload.warmup_tokens, CompileTimer())
-        drive([warm], interleave=False)
-        warmup_seconds[name] = time.perf_counter() - start
-        del warm
-    with CompileTimer() as compiles:
-        runs = []
-        for name, config in configs.items():
-            engine = LLMEngine(config, loaded=loaded)
-            engine.runner.profile_compress = True
-            runs.append(TimedRun(name, engine, prompts, workload.max_tokens, compiles))
-        drive(runs, interleave)
-    rows = {run.name: summarize(run, warmup_seconds[run.name]) for run in runs}
+        engine = LLMEngine(config, loaded=loaded)
+        warm[name] = warm_up(engine, warmup)
+        engine.runner.profile_compress = True
+        runs.append(TimedRun(name, engine, prompts, max_tokens))
+    drive(runs, interleave)
+    rows = {run.name: summarize(run, warm[run.name]) for run in runs}
     for name, row in rows.items():
         if log:
-            log(f"{name:>8}: {row['throughput']:.1f} tok/s, running mean {row['mean_running']:.1f} peak "
+            log(f"{name:>12}: {row['throughput']:.1f} tok/s, running mean {row['mean_running']:.1f} peak "
                 f"{row['peak_running']}, preemptions {row['preemptions']}, compressions {row['compressions']}, "
                 f"compress share {100 * row['compress_time_share']:.1f}%, {row['wall_seconds']:.1f}s "
-                f"(+{row['compile_seconds_excluded']:.1f}s compile excluded, {row['warmup_seconds']:.1f}s warm-up)")
+                f"({row['compiles_in_timed_run']} compiles, +{row['compile_seconds_excluded']:.1f}s excluded; "
+                f"{row['warmup_seconds']:.1f}s warm-up)")
     return rows
 
 
-def run_benchmark(workload: Workload, model: str = "default", options: dict | None = None, loaded=None,
-                  interleave: bool = True, log=None) -> dict:
-    """Full KV and Zipage on the same workload and pool. Returns the summary dict."""
-    from zipage_jax.models.loading import load_model
+def _check_pool(name: str, row: dict, pool: Pool) -> None:
+    if (row["pool_blocks"], row["block_bytes"]) != (pool.blocks, pool.block_bytes):
+        raise RuntimeError(f"{name}: the engine's pool ({row['pool_blocks']} blocks of {row['block_bytes']} bytes) "
+                           f"is not the one sized here ({pool.blocks} of {pool.block_bytes})")
 
-    options = dict(options or {})
-    workload.check()
-    loaded = loaded or load_model(model, dtype=options.get("dtype"))
-    prompts = make_prompts(loaded.tokenizer, workload)
-    mean_len = float(np.mean([len(p) for p in prompts])) + workload.max_tokens
-    pool_tokens = (workload.num_pool_blocks - 1) * workload.block_size
-    rows = bench_modes(loaded, model, workload, prompts, options, interleave, log)
-    full, zipage = rows["full"], rows["zipage"]
+
+def pair_summary(full: dict, zipage: dict, pool: Pool, mean_len: float) -> dict:
+    """Full KV against Zipage on one pool."""
     return {
         "throughput_full": full["throughput"],
         "throughput_zipage": zipage["throughput"],
@@ -298,56 +369,128 @@ def run_benchmark(workload: Workload, model: str = "default", options: dict | No
         "peak_running_zipage": zipage["peak_running"],
         "preemptions_full": full["preemptions"],
         "preemptions_zipage": zipage["preemptions"],
+        "pool": pool.as_dict(),
+        "pool_blocks": pool.blocks,
+        "pool_tokens": pool.tokens,
+        "full_kv_capacity_seqs": pool.tokens / mean_len,  # requests of mean final length the pool holds
+    }
+
+
+def run_benchmark(workload: Workload, model: str = "default", options: dict | None = None, loaded=None,
+                  interleave: bool = True, log=None, warmup: bool = True) -> dict:
+    """Full KV and Zipage on the same workload and pool (and, with options["kv_cache_dtype"]
+    quantized, both again on a pool of that dtype and the same bytes). Returns the summary dict."""
+    from zipage_jax.models.loading import load_model
+
+    options = dict(options or {})
+    quantized = options.pop("kv_cache_dtype", "auto")
+    options.pop("kvcache_memory_gb", None)  # in the workload (pool_gb)
+    workload.check()
+    loaded = loaded or load_model(model, dtype=options.get("dtype"))
+    dtypes = ["auto"] + ([quantized] if quantized != "auto" else [])
+    pools = size_pools(workload, loaded, dtypes, options.get("tensor_parallel_size", 1))
+    prompts = make_prompts(loaded.tokenizer, workload)
+    mean_len = float(np.mean([len(p) for p in prompts])) + workload.max_tokens
+    suffix = {d: "" if d == "auto" else f"-{d}" for d in dtypes}  # run names: full, zipage, full-int8, ...
+    configs = {f"{mode}{suffix[d]}": engine_config(model, workload, mode == "zipage", options, pools[d])
+               for d in dtypes for mode in ("full", "zipage")}
+    rows = bench_modes(loaded, configs, prompts, workload.max_tokens, interleave, log, warmup)
+    pairs = {}
+    for d in dtypes:
+        for mode in ("full", "zipage"):
+            _check_pool(f"{mode}{suffix[d]}", rows[f"{mode}{suffix[d]}"], pools[d])
+        pairs[d] = pair_summary(rows[f"full{suffix[d]}"], rows[f"zipage{suffix[d]}"], pools[d], mean_len)
+    summary = {
+        **pairs["auto"],
         "budget_tokens": workload.budget_blocks * workload.block_size,
-        "pool_blocks": workload.num_pool_blocks,
-        "pool_tokens": pool_tokens,
-        "full_kv_capacity_seqs": pool_tokens / mean_len,  # requests of mean final length the pool holds
         "model": str(loaded.source),
         "scoring": RECOMMENDED_SCORING,
         "options": options,
         "interleaved": interleave,
+        "warmup": warmup,
         "workload": asdict(workload),
-        "full": full,
-        "zipage": zipage,
+        "full": rows["full"],
+        "zipage": rows["zipage"],
+        "runs": rows,
     }
+    if quantized != "auto":
+        summary["kv_cache_dtype_comparison"] = dtype_comparison(pairs, quantized)
+    return summary
+
+
+def dtype_comparison(pairs: dict[str, dict], quantized: str) -> dict:
+    """The default dtype against the quantized one, on pools of the same bytes."""
+    base, quant = pairs["auto"], pairs[quantized]
+
+    def ratio(key: str) -> float:
+        return quant[key] / base[key]
+
+    return {
+        "pool_bytes": base["pool"]["bytes"],
+        "dtypes": {d: {k: v for k, v in pair.items() if k not in ("pool_blocks", "pool_tokens")}
+                   for d, pair in pairs.items()},
+        "blocks_ratio": (quant["pool"]["blocks"] - 1) / (base["pool"]["blocks"] - 1),
+        "throughput_ratio_full": ratio("throughput_full"),
+        "throughput_ratio_zipage": ratio("throughput_zipage"),
+        "mean_running_ratio_full": ratio("mean_running_full"),
+        "mean_running_ratio_zipage": ratio("mean_running_zipage"),
+    }
+
+
+def format_dtype_comparison(comparison: dict) -> str:
+    """The dtype comparison as a Markdown table."""
+    lines = ["| KV dtype | bytes / block | blocks | full tok/s | zipage tok/s | mean / peak running full "
+             "| mean / peak running zipage | preemptions full / zipage |", "|---|---|---|---|---|---|---|---|"]
+    for d, row in comparison["dtypes"].items():
+        pool = row["pool"]
+        lines.append(f"| {d} ({pool['kv_dtype']}) | {pool['block_bytes']} | {pool['blocks']} | "
+                     f"{row['throughput_full']:.1f} | {row['throughput_zipage']:.1f} | "
+                     f"{row['mean_running_full']:.2f} / {row['peak_running_full']} | "
+                     f"{row['mean_running_zipage']:.2f} / {row['peak_running_zipage']} | "
+                     f"{row['preemptions_full']} / {row['preemptions_zipage']} |")
+    return "\n".join(lines)
 
 
 def sweep_workload(workload: Workload, budgets: list[int]) -> Workload:
     """The workload with its pool fixed for the largest budget (unless given) and that budget."""
     largest = max(budgets)
-    pool = workload.pool_blocks or workload.requests * (largest + 1) + 1
-    return replace(workload, budget_blocks=largest, pool_blocks=pool)
+    if workload.pool_blocks or workload.pool_gb:
+        return replace(workload, budget_blocks=largest)
+    return replace(workload, budget_blocks=largest, pool_blocks=workload.requests * (largest + 1) + 1)
 
 
-def pool_note(workload: Workload, budgets: list[int]) -> str:
+def pool_note(workload: Workload, budgets: list[int], pool: Pool) -> str:
     """How the sweep's one pool was chosen (workload before `sweep_workload`)."""
-    pooled = sweep_workload(workload, budgets)
-    origin = "as given" if workload.pool_blocks else f"sized for the largest budget, {max(budgets)} blocks"
-    return (f"one pool of {pooled.num_pool_blocks} blocks of {pooled.block_size} ({origin}) for full KV and "
-            "every point: the same KV bytes everywhere")
+    origin = "as given" if workload.pool_blocks or workload.pool_gb else \
+        f"sized for the largest budget, {max(budgets)} blocks"
+    return (f"one pool of {pool.blocks} blocks of {pool.block_size} tokens, {pool.block_bytes} bytes each "
+            f"({origin}) for full KV and every point: the same KV bytes everywhere")
 
 
 def run_sweep(workload: Workload, budgets: list[int], policies: list[str], model: str = "default",
-              options: dict | None = None, loaded=None, interleave: bool = True, log=None) -> dict:
+              options: dict | None = None, loaded=None, interleave: bool = True, log=None,
+              warmup: bool = True) -> dict:
     """Full KV once and every (policy, budget) on one pool (sized for the largest budget unless given)."""
     from zipage_jax.models.loading import load_model
 
     if not budgets or not policies or min(budgets) < 1:
         raise ValueError("a sweep needs budgets >= 1 and at least one policy")
-    options = {k: v for k, v in (options or {}).items() if k != "eviction_policy"}
-    note = pool_note(workload, budgets)
-    workload = sweep_workload(workload, sorted(set(budgets)))
-    workload.check()
+    options = {k: v for k, v in (options or {}).items() if k not in ("eviction_policy", "kvcache_memory_gb")}
+    if options.pop("kv_cache_dtype", "auto") != "auto":
+        raise ValueError("a sweep runs at the default KV dtype; compare dtypes without --budgets / --policies")
+    budgets = sorted(set(budgets))
+    swept = sweep_workload(workload, budgets)
+    swept.check()
     loaded = loaded or load_model(model, dtype=options.get("dtype"))
-    prompts = make_prompts(loaded.tokenizer, workload)
-    mean_len = float(np.mean([len(p) for p in prompts])) + workload.max_tokens
-    pool_tokens = (workload.num_pool_blocks - 1) * workload.block_size
-    points = {f"{policy}@{m}": (policy, m) for policy in dict.fromkeys(policies) for m in sorted(set(budgets))}
-    configs = {"full": engine_config(model, workload, False, options)}
-    configs.update({name: engine_config(model, replace(workload, budget_blocks=m), True,
-                                        {**options, "eviction_policy": policy})
+    pool = size_pools(swept, loaded, ["auto"], options.get("tensor_parallel_size", 1))["auto"]
+    prompts = make_prompts(loaded.tokenizer, swept)
+    mean_len = float(np.mean([len(p) for p in prompts])) + swept.max_tokens
+    points = {f"{policy}@{m}": (policy, m) for policy in dict.fromkeys(policies) for m in budgets}
+    configs = {"full": engine_config(model, swept, False, options, pool)}
+    configs.update({name: engine_config(model, replace(swept, budget_blocks=m), True,
+                                        {**options, "eviction_policy": policy}, pool)
                     for name, (policy, m) in points.items()})
-    rows = bench_modes(loaded, model, workload, prompts, options, interleave, log, configs=configs)
+    rows = bench_modes(loaded, configs, prompts, swept.max_tokens, interleave, log, warmup)
     full = rows["full"]
     sweep = []
     for name, (policy, m) in points.items():
@@ -375,18 +518,20 @@ def run_sweep(workload: Workload, budgets: list[int], policies: list[str], model
         "mean_running_full": full["mean_running"],
         "peak_running_full": full["peak_running"],
         "preemptions_full": full["preemptions"],
-        "budgets": sorted(set(budgets)),
+        "budgets": budgets,
         "policies": list(dict.fromkeys(policies)),
-        "pool_blocks": workload.num_pool_blocks,
-        "pool_tokens": pool_tokens,
-        "pool_note": note,
+        "pool": pool.as_dict(),
+        "pool_blocks": pool.blocks,
+        "pool_tokens": pool.tokens,
+        "pool_note": pool_note(workload, budgets, pool),
         "mean_final_len": mean_len,
-        "full_kv_capacity_seqs": pool_tokens / mean_len,
+        "full_kv_capacity_seqs": pool.tokens / mean_len,
         "model": str(loaded.source),
         "scoring": {k: v for k, v in RECOMMENDED_SCORING.items() if k != "eviction_policy"},
         "options": options,
         "interleaved": interleave,
-        "workload": asdict(workload),
+        "warmup": warmup,
+        "workload": asdict(swept),
         "runs": rows,
     }
 
@@ -406,47 +551,58 @@ def format_sweep(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None):
-    from zipage_jax.cli_options import add_engine_arguments, engine_options
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the scaled-down preset (a few minutes on a CPU)")
+def workload_parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
+    """A parser with the flags every workload has: --quick, --json, --requests, --max-tokens, --prompt-len."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     parser.add_argument("--requests", type=int)
     parser.add_argument("--max-tokens", type=int, help="tokens generated per request")
     parser.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
-    parser.add_argument("--warmup-tokens", type=int)
+    return parser
+
+
+def workload_overrides(args: argparse.Namespace) -> dict:
+    """The workload_parser flags as workload fields (None: the preset's)."""
+    return {"requests": args.requests, "max_tokens": args.max_tokens,
+            "prompt_len_min": args.prompt_len[0] if args.prompt_len else None,
+            "prompt_len_max": args.prompt_len[1] if args.prompt_len else None}
+
+
+def parse_args(argv: list[str] | None):
+    from zipage_jax.cli_options import add_engine_arguments, engine_options
+    from zipage_jax.compress.policies import POLICIES
+
+    parser = workload_parser(__doc__, "the scaled-down preset (a few minutes on a CPU)")
     parser.add_argument("--sequential", action="store_true",
                         help="run full KV, then Zipage (default: interleave their steps, see above)")
     parser.add_argument("--budgets", type=int, nargs="+", metavar="M",
                         help="sweep: compressed budgets in blocks (max_cache_blocks_per_seq values)")
-    parser.add_argument("--policies", nargs="+", metavar="POLICY",
-                        help="sweep: eviction policies (default with --budgets: zipage window)")
-    add_engine_arguments(parser)  # --model, --kvcache-block-size, --num-kvcache-blocks, --max-cache-blocks-per-seq...
+    parser.add_argument("--policies", nargs="+", metavar="POLICY", choices=list(POLICIES),
+                        help=f"sweep: eviction policies, of {', '.join(POLICIES)} (default: zipage vnorm-window)")
+    # engine options: --model, --kvcache-block-size, --num-kvcache-blocks, --max-cache-blocks-per-seq, ...;
+    # --no-warmup compiles on first use instead of before timing (that compile time is left out too)
+    add_engine_arguments(parser)
     args = parser.parse_args(argv)
     if args.budgets and args.max_cache_blocks_per_seq is not None:
         parser.error("give the budgets with --budgets or --max-cache-blocks-per-seq, not both")
-    if args.policies:
-        from zipage_jax.config import EVICTION_POLICIES
-
-        bad = [p for p in args.policies if p not in EVICTION_POLICIES]
-        if bad:
-            parser.error(f"unknown policy {', '.join(bad)}: choose from {', '.join(EVICTION_POLICIES)}")
+    if (args.budgets or args.policies) and args.kv_cache_dtype not in (None, "auto"):
+        parser.error("--kv-cache-dtype compares dtypes in the full KV vs Zipage run, not in a sweep")
+    if args.num_kvcache_blocks is not None and args.kvcache_memory_gb is not None:
+        parser.error("give the pool with --num-kvcache-blocks or --kvcache-memory-gb, not both")
     options = engine_options(args)
     preset = PRESETS["quick" if args.quick else "default"]
     overrides = {
-        "requests": args.requests,
-        "max_tokens": args.max_tokens,
-        "warmup_tokens": args.warmup_tokens,
-        "prompt_len_min": args.prompt_len[0] if args.prompt_len else None,
-        "prompt_len_max": args.prompt_len[1] if args.prompt_len else None,
+        **workload_overrides(args),
         "block_size": options.pop("kvcache_block_size", None),
         "pool_blocks": options.pop("num_kvcache_blocks", None),
+        "pool_gb": options.pop("kvcache_memory_gb", None),
         "budget_blocks": options.pop("max_cache_blocks_per_seq", None),
     }
     fields = {k: v for k, v in overrides.items() if v is not None}
     workload = Workload(**{**asdict(preset), **fields})
     model = options.pop("model", None) or "default"
+    args.warmup = options.pop("warmup", True)  # done here, timed (see warm_up), not by the engine
     return args, workload, model, options
 
 
@@ -459,14 +615,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.budgets or args.policies:
         return main_sweep(args, workload, model, options, log)
     workload.check()
+    pool = f"{workload.pool_gb} GiB" if workload.pool_gb else f"{workload.num_pool_blocks} blocks"
     log(f"workload: {workload.requests} requests, prompts {workload.prompt_len_min}-{workload.prompt_len_max} "
-        f"tokens, {workload.max_tokens} generated each; pool {workload.num_pool_blocks} blocks of "
-        f"{workload.block_size}; budget {workload.budget_blocks} blocks")
-    summary = run_benchmark(workload, model, options, interleave=not args.sequential, log=log)
+        f"tokens, {workload.max_tokens} generated each; pool {pool} of {workload.block_size} tokens; "
+        f"budget {workload.budget_blocks} blocks")
+    summary = run_benchmark(workload, model, options, interleave=not args.sequential, log=log,
+                            warmup=args.warmup)
+    p = summary["pool"]
+    log(f"pool: {p['blocks']} blocks ({p['kv_dtype']}, {p['block_bytes']} bytes each, {p['bytes'] / 2**20:.1f} MiB)")
     log(f"speedup {summary['speedup']:.2f}x (full {summary['throughput_full']:.1f} tok/s, zipage "
         f"{summary['throughput_zipage']:.1f} tok/s), compress time share "
         f"{100 * summary['compress_time_share']:.2f}%, full KV holds ~{summary['full_kv_capacity_seqs']:.1f} "
         f"requests at once")
+    if "kv_cache_dtype_comparison" in summary:
+        log(format_dtype_comparison(summary["kv_cache_dtype_comparison"]))
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
     return 0
 
@@ -474,11 +636,11 @@ def main(argv: list[str] | None = None) -> int:
 def main_sweep(args, workload: Workload, model: str, options: dict, log) -> int:
     budgets = args.budgets or [workload.budget_blocks]
     policies = args.policies or ["zipage", "vnorm-window"]
-    pooled = sweep_workload(workload, budgets)
-    log(f"sweep: {pooled.requests} requests, prompts {pooled.prompt_len_min}-{pooled.prompt_len_max} tokens, "
-        f"{pooled.max_tokens} generated each; {pool_note(workload, budgets)}; "
-        f"budgets {budgets} blocks, policies {policies}")
-    summary = run_sweep(workload, budgets, policies, model, options, interleave=not args.sequential, log=log)
+    swept = sweep_workload(workload, budgets)
+    log(f"sweep: {swept.requests} requests, prompts {swept.prompt_len_min}-{swept.prompt_len_max} tokens, "
+        f"{swept.max_tokens} generated each; budgets {budgets} blocks, policies {policies}")
+    summary = run_sweep(workload, budgets, policies, model, options, interleave=not args.sequential, log=log,
+                        warmup=args.warmup)
     log(summary["pool_note"])
     log(format_sweep(summary))
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))

@@ -19,7 +19,7 @@ The last line with --json is {"results": [{"policy", "budget_fraction", "ppl_rat
 Teacher forcing is the engine's own: `SamplingParams(forced_token_ids=...)` decodes the forced
 tokens one per step (so compression runs as in generation) and reports their log-probabilities
 from the full distribution. Policies that differ only in `eviction_policy` (a per-request
-option) share one engine; the others get one engine each (see POLICIES).
+option) share one engine; the others get one engine each (see VARIANTS).
 """
 
 from __future__ import annotations
@@ -37,20 +37,21 @@ from pathlib import Path
 
 import numpy as np
 
-POLICIES = {  # name -> options: eviction_policy goes to each request, the rest to the engine (whose
-    # use_global_score is off unless a policy turns it on)
-    "full": {},
-    "streaming": dict(eviction_policy="streaming"),
+from zipage_jax.compress.policies import POLICIES
+
+# name -> options: eviction_policy goes to each request, the rest to the engine (over
+# engine_options' base, where use_global_score is off). Every policy of the registry under its
+# own name with the global score (the engine's default scoring), except "zipage", which is the
+# reference's recommended setting; then the ablations.
+VARIANTS = {"full": {}, **{name: dict(eviction_policy=name, use_global_score=True) for name in POLICIES}} | {
+    "zipage": dict(eviction_policy="zipage", use_global_score=True, enable_pooling=True, redundancy="lightning"),
     "zipage-attn": dict(eviction_policy="zipage"),  # attention only
     "zipage-global": dict(eviction_policy="zipage", use_global_score=True),
-    "zipage": dict(eviction_policy="zipage", use_global_score=True, enable_pooling=True, redundancy="lightning"),
-    # issue 8 (zipage_jax/compress/policies.py); "vnorm-window" is the engine's default
-    "window": dict(eviction_policy="window", use_global_score=True),  # recent_fraction 0.75 (the default)
     "window-attn": dict(eviction_policy="window"),  # without the global score
     "window-25": dict(eviction_policy="window", use_global_score=True, recent_fraction=0.25),
     "window-50": dict(eviction_policy="window", use_global_score=True, recent_fraction=0.5),
     "window-pool": dict(eviction_policy="window", use_global_score=True, enable_pooling=True),
-    "vnorm-window": dict(eviction_policy="vnorm-window", use_global_score=True),
+    "vnorm-window-attn": dict(eviction_policy="vnorm-window"),
 }
 DEFAULT_POLICIES = ["full", "streaming", "zipage-attn", "zipage", "window", "vnorm-window"]
 BUDGETS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
@@ -95,7 +96,7 @@ class JobResult:
 
 def engine_group(policy: str) -> tuple:
     """The engine options a policy needs (everything but the per-request eviction_policy)."""
-    return tuple(sorted((k, v) for k, v in POLICIES[policy].items() if k != "eviction_policy"))
+    return tuple(sorted((k, v) for k, v in VARIANTS[policy].items() if k != "eviction_policy"))
 
 
 def teacher_force(llm, jobs: list[Job], budgets: list[int], policies: list[str]) -> list[JobResult]:
@@ -104,7 +105,7 @@ def teacher_force(llm, jobs: list[Job], budgets: list[int], policies: list[str])
     from zipage_jax import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=len(job.forced) + job.free, ignore_eos=True, logprobs=0,
-                             kv_budget=budget, eviction_policy=POLICIES[policy].get("eviction_policy"),
+                             kv_budget=budget, eviction_policy=VARIANTS[policy].get("eviction_policy"),
                              forced_token_ids=job.forced)
               for job, budget, policy in zip(jobs, budgets, policies)]
     outs = llm.generate([job.prompt for job in jobs], params, use_tqdm=False)
@@ -350,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="default")
     p.add_argument("--quick", action="store_true", help="a 1024-token context, one text, 2 passkeys, budget 1/8 only")
     p.add_argument("--json", action="store_true", help="last line: {\"results\": [...]}")
-    p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, choices=list(POLICIES))
+    p.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, choices=list(VARIANTS))
     p.add_argument("--budgets", nargs="+", type=float, default=None, help="fractions of the context")
     p.add_argument("--length", type=int, default=None, help="context tokens per sequence (default 2048)")
     p.add_argument("--text", nargs="+", default=None, metavar="FILE", help="evaluate (a) on these files only")

@@ -1,11 +1,19 @@
 """Quality vs KV budget per policy, from the JSON line of scripts/eval_quality.py --json;
-throughput and concurrency vs budget, from scripts/bench_throughput.py's sweep.
+throughput and concurrency vs budget, from scripts/bench_throughput.py's sweep; step time and
+tokens/s against generated tokens, from scripts/bench_long.py.
 
     python scripts/eval_quality.py --json | tail -1 > quality.json
     python scripts/plot_results.py quality.json [more.json ...] [--out docs/quality_vs_budget.png]
 
     python scripts/bench_throughput.py --quick --json --budgets 2 4 8 --policies zipage window | tail -1 > sweep.json
     python scripts/plot_results.py sweep.json [--out docs/throughput_vs_budget.png]
+
+    python scripts/bench_long.py --quick --json | tail -1 > long.json
+    python scripts/plot_results.py long.json [--out docs/long_generation.png]
+
+A file whose last line holds bench_long.py's object ("compressed" and "full" runs) gets two
+panels, step time and tokens/s per window against the generated tokens of each request (the
+window's middle), one line per run, the first window after the budget fills marked.
 
 A file whose last line holds a {"sweep": [...]} object gets the throughput plot: two panels,
 output tok/s and mean running sequences vs the budget in blocks (log scale), one line per
@@ -138,23 +146,76 @@ def plot_sweep(data: dict, out: Path) -> list[str]:
     return policies
 
 
+LONG_PANELS = {"step_ms_by_window": "median step time (ms)", "tokens_per_s_by_window": "output tok/s"}
+
+
+def is_long(data: dict) -> bool:
+    return all(isinstance(data.get(run), dict) and "step_ms_by_window" in data[run] for run in ("compressed", "full"))
+
+
+def plot_long(data: dict, out: Path) -> list[str]:
+    """Step time and tokens/s against generated tokens from bench_long.py's JSON; returns the runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    window = data["window"]
+    runs = {"compressed": f"budget {data.get('budget_tokens')} tokens", "full": "full KV"}
+    fig, axes = plt.subplots(1, len(LONG_PANELS), figsize=(4.8 * len(LONG_PANELS), 3.8), squeeze=False)
+    for ax, (key, title) in zip(axes[0], LONG_PANELS.items()):
+        for run, label in runs.items():
+            points = [((k + 0.5) * window, y) for k, y in enumerate(data[run][key]) if y is not None]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o", label=label, linestyle="-" if run == "compressed" else "--")
+        first = data["compressed"].get("first_full_window")
+        if first is not None:
+            ax.axvline(first * window, color="grey", linewidth=1, linestyle=":", label="first window after the budget fills")
+        ax.set_xlabel(f"generated tokens per request (windows of {window})")
+        ax.set_ylim(bottom=0)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    pool = data.get("pool") or {}
+    if pool:
+        fig.suptitle(f"{data['workload']['requests']} requests, one pool of {pool['blocks']} blocks of "
+                     f"{pool['block_size']} tokens for both runs", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return list(runs)
+
+
+# kind -> (recognises its JSON, default output, plot): plots made from one file alone
+SINGLE_FILE_PLOTS = {
+    "bench_long.py": (is_long, "docs/long_generation.png", plot_long),
+    "throughput sweep": (lambda data: "sweep" in data, "docs/throughput_vs_budget.png", plot_sweep),
+}
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="quality vs budget plot from eval_quality.py --json, or throughput "
-                                            "and concurrency vs budget from bench_throughput.py --budgets --json")
+    p = argparse.ArgumentParser(description="quality vs budget plot from eval_quality.py --json, throughput "
+                                            "and concurrency vs budget from bench_throughput.py --budgets --json, "
+                                            "or step time and tok/s vs generated tokens from bench_long.py --json")
     p.add_argument("results", type=Path, nargs="+", help="files whose last line is eval_quality.py's JSON, "
-                                                        "or one file whose last line is a bench_throughput sweep")
-    p.add_argument("--out", type=Path, help="default: docs/quality_vs_budget.png, or "
-                                            "docs/throughput_vs_budget.png for a sweep")
+                                                        "or one file whose last line is a bench_throughput sweep "
+                                                        "or bench_long.py's JSON")
+    p.add_argument("--out", type=Path, help="default: docs/quality_vs_budget.png, "
+                                            "docs/throughput_vs_budget.png for a sweep, "
+                                            "docs/long_generation.png for bench_long")
     p.add_argument("--policies", nargs="+", help="quality plot: only these policies (and full KV)")
     args = p.parse_args(argv)
-    sweeps = [load_json(path) for path in args.results]
-    if any("sweep" in data for data in sweeps):
-        if len(args.results) != 1:
-            p.error("give one throughput sweep file, alone")
-        out = args.out or Path("docs/throughput_vs_budget.png")
-        policies = plot_sweep(sweeps[0], out)
-        print(f"wrote {out} ({', '.join(policies)})")
-        return
+    loaded = [load_json(path) for path in args.results]
+    for kind, (matches, default_out, plot_one) in SINGLE_FILE_PLOTS.items():
+        if any(matches(data) for data in loaded):
+            if len(args.results) != 1:
+                p.error(f"give one {kind} file, alone")
+            out = args.out or Path(default_out)
+            names = plot_one(loaded[0], out)
+            print(f"wrote {out} ({', '.join(names)})")
+            return
     out = args.out or Path("docs/quality_vs_budget.png")
     rows = merge(args.results)
     if args.policies:

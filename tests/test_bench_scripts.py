@@ -1,4 +1,4 @@
-"""The benchmark scripts' plumbing: bench_throughput, bench_gpu --smoke, bench_math (tiny models)."""
+"""The benchmark scripts' plumbing: bench_throughput, bench_long, bench_gpu --smoke, bench_math (tiny models)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import bench_gpu  # noqa: E402
+import bench_long  # noqa: E402
 import bench_math  # noqa: E402
 import bench_throughput as bt  # noqa: E402
 import compact_cases  # noqa: E402
@@ -35,27 +36,22 @@ def last_json(text: str) -> dict:
 # -- bench_throughput ---------------------------------------------------------------------------
 
 
-def test_compile_timer_sees_new_shapes_only():
-    f = jax.jit(lambda x: jnp.sin(x) * 3)
-    x, y = jnp.ones(7), jnp.zeros(7)
-    with bt.CompileTimer() as first:
-        f(x).block_until_ready()
-    with bt.CompileTimer() as again:
-        f(y).block_until_ready()
-    assert first.num_compiles == 1 and first.seconds() > 0
-    assert again.num_compiles == 0 and again.seconds() == 0
-
-
 def test_quick_preset_and_overrides():
     args, workload, model, options = bt.parse_args(
         ["--quick", "--requests", "3", "--max-cache-blocks-per-seq", "5", "--max-num-batched-tokens", "64"])
     quick = bt.PRESETS["quick"]
     assert (workload.requests, workload.budget_blocks, workload.max_tokens) == (3, 5, quick.max_tokens)
-    assert workload.num_pool_blocks == 3 * 6 + 1
+    assert workload.num_pool_blocks == 3 * 6 + 1 and args.warmup
     assert model == "default" and options == {"max_num_batched_tokens": 64}
+    _, workload, _, options = bt.parse_args(["--quick", "--kvcache-memory-gb", "0.5", "--kv-cache-dtype", "int8"])
+    assert workload.pool_gb == 0.5 and workload.pool_blocks is None and options == {"kv_cache_dtype": "int8"}
     with pytest.raises(ValueError, match="does not fit the pool"):
         bt.Workload(requests=1, prompt_len_min=8, prompt_len_max=64, max_tokens=64, block_size=16,
                     budget_blocks=1).check()
+    for bad in (["--budgets", "2", "--kv-cache-dtype", "int8"], ["--policies", "no-such-policy"],
+                ["--num-kvcache-blocks", "9", "--kvcache-memory-gb", "1"]):
+        with pytest.raises(SystemExit):
+            bt.parse_args(bad)
 
 
 class FakeRun:
@@ -70,14 +66,22 @@ class FakeRun:
         self.generated += self.rate
         self.order.append(self.name)
 
+    def end_turn(self):
+        self.order.append("|")
+
 
 def test_drive_interleaves_by_tokens_so_far_or_runs_in_turn():
     order = []
-    bt.drive([FakeRun("full", 1, 8, order), FakeRun("zipage", 4, 8, order)], interleave=True)
-    assert order == ["full", "zipage", "full", "full", "full", "full", "zipage", "full", "full", "full"]
+    bt.drive([FakeRun("full", 1, 8, order), FakeRun("zipage", 4, 8, order)], interleave=True, turn_steps=1)
+    assert [x for x in order if x != "|"] == ["full", "zipage", "full", "full", "full", "full", "zipage", "full",
+                                              "full", "full"]
+    assert order[:4] == ["full", "|", "zipage", "|"]  # every turn ends waiting for its device work
+    order.clear()
+    bt.drive([FakeRun("full", 1, 8, order), FakeRun("zipage", 4, 8, order)], interleave=True, turn_steps=2)
+    assert "".join(x[0] for x in order) == "ff|zz|ff|ff|ff|"
     order.clear()
     bt.drive([FakeRun("full", 1, 3, order), FakeRun("zipage", 4, 8, order)], interleave=False)
-    assert order == ["full"] * 3 + ["zipage"] * 2
+    assert order == ["full"] * 3 + ["|"] + ["zipage"] * 2 + ["|"]
 
 
 def test_prompts_are_mixed_lengths_of_distinct_text(llama_dir):
@@ -94,10 +98,13 @@ def test_prompts_are_mixed_lengths_of_distinct_text(llama_dir):
 def test_throughput_benchmark_end_to_end(llama_dir, capsys):
     # a pool of 4 * 2 + 1 blocks of 16: compression holds all 4 requests, full KV about two
     argv = ["--model", llama_dir, "--json", "--requests", "4", "--prompt-len", "8", "24", "--max-tokens", "48",
-            "--kvcache-block-size", "16", "--max-cache-blocks-per-seq", "1", "--warmup-tokens", "2"]
+            "--kvcache-block-size", "16", "--max-cache-blocks-per-seq", "1", "--max-num-batched-tokens", "64"]
     assert bt.main(argv) == 0
     out = last_json(capsys.readouterr().out)
     full, zipage = out["full"], out["zipage"]
+    assert full["compiles_in_timed_run"] == zipage["compiles_in_timed_run"] == 0  # all compiled in the warm-up
+    assert full["warmup_programs_compiled"] > 0 and full["compile_seconds_excluded"] == 0
+    assert out["pool"]["blocks"] == 9 and out["pool"]["bytes"] == 8 * out["pool"]["block_bytes"]
     assert full["output_tokens"] == zipage["output_tokens"] == 4 * 48
     assert out["pool_blocks"] == 9 and out["budget_tokens"] == 16
     assert out["speedup"] == pytest.approx(out["throughput_zipage"] / out["throughput_full"])
@@ -112,7 +119,7 @@ def test_budget_sweep_one_pool_every_point_and_plot(llama_dir, tmp_path, monkeyp
     # the engines are faked: this checks the sweep's configs, rows, JSON and plot, not the timing
     seen = {}
 
-    def fake_bench_modes(loaded, model, workload, prompts, options, interleave=True, log=None, configs=None):
+    def fake_bench_modes(loaded, configs, prompts, max_tokens, interleave=True, log=None, warmup=True):
         seen.update(configs)
         rows = {}
         for name, cfg in configs.items():
@@ -144,6 +151,108 @@ def test_budget_sweep_one_pool_every_point_and_plot(llama_dir, tmp_path, monkeyp
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit):  # both ways of giving the budget
         bt.parse_args(["--budgets", "2", "--max-cache-blocks-per-seq", "2"])
+
+
+def test_pools_of_one_size_in_bytes_for_every_kv_dtype(llama_dir):
+    from zipage_jax.engine.llm_engine import LLMEngine
+    from zipage_jax.models.loading import load_model
+
+    loaded = load_model(llama_dir)  # 2 layers, 2 kv heads of 16, float32
+    workload = bt.Workload(requests=4, prompt_len_min=8, prompt_len_max=24, max_tokens=48, block_size=16,
+                           budget_blocks=1)  # 4 * 2 + 1 blocks of the default dtype
+    pools = bt.size_pools(workload, loaded, ["auto", "int8"])
+    f32 = 2 * 16 * 2 * (2 * 16 * 4)  # layers * tokens * kv heads * (K and V, 16 float32 each)
+    int8 = 2 * 16 * 2 * (2 * 16 + 2 * 4)  # int8 K and V, one float32 scale each
+    assert (pools["auto"].block_bytes, pools["auto"].kv_dtype, pools["auto"].blocks) == (f32, "float32", 9)
+    assert (pools["int8"].block_bytes, pools["int8"].kv_dtype) == (int8, "int8")
+    assert pools["int8"].blocks == 8 * f32 // int8 + 1 == 26 and pools["int8"].bytes <= pools["auto"].bytes
+    for pool in pools.values():  # what the engine itself allocates
+        config = bt.engine_config(llama_dir, workload, True, {}, pool)
+        engine = LLMEngine(config, loaded=loaded)
+        assert engine.block_bytes == pool.block_bytes and engine.block_manager.num_usable_blocks == pool.blocks - 1
+    by_gb = bt.size_pools(bt.Workload(**{**vars(workload), "pool_gb": 2**-10}), loaded, ["auto", "int8"])
+    assert by_gb["auto"].blocks == 2**20 // f32 + 1 and by_gb["int8"].blocks == 2**20 // int8 + 1
+
+
+def test_kv_dtype_comparison_same_bytes_four_engines(llama_dir, monkeypatch, capsys):
+    # the engines are faked: this checks the configs and the comparison, not the timing
+    seen = {}
+
+    def fake_bench_modes(loaded, configs, prompts, max_tokens, interleave=True, log=None, warmup=True):
+        seen.update(configs)
+        rows = {}
+        for name, cfg in configs.items():
+            _, size = bt.block_bytes(loaded, cfg.kvcache_block_size, cfg.kv_cache_dtype)
+            zipage, quantized = cfg.max_cache_blocks_per_seq is not None, cfg.kv_cache_dtype != "auto"
+            rows[name] = {"throughput": (20.0 if zipage else 10.0) * (1.5 if quantized else 1.0),
+                          "mean_running": (3.0 if zipage else 1.5) * (2 if quantized else 1),
+                          "peak_running": 3, "preemptions": 0, "compress_time_share": 0.02 * zipage,
+                          "pool_blocks": cfg.num_kvcache_blocks, "block_bytes": size}
+        return rows
+
+    monkeypatch.setattr(bt, "bench_modes", fake_bench_modes)
+    argv = ["--model", llama_dir, "--json", "--requests", "3", "--prompt-len", "8", "24", "--max-tokens", "40",
+            "--kvcache-block-size", "16", "--max-cache-blocks-per-seq", "1", "--kv-cache-dtype", "int8"]
+    assert bt.main(argv) == 0
+    out = last_json(capsys.readouterr().out)
+    assert set(seen) == {"full", "zipage", "full-int8", "zipage-int8"}
+    assert {seen[n].kv_cache_dtype for n in ("full", "zipage")} == {"auto"}
+    assert {seen[n].kv_cache_dtype for n in ("full-int8", "zipage-int8")} == {"int8"}
+    assert seen["full"].num_kvcache_blocks == seen["zipage"].num_kvcache_blocks == 3 * 2 + 1
+    assert seen["full-int8"].num_kvcache_blocks == seen["zipage-int8"].num_kvcache_blocks == 6 * 8192 // 2560 + 1
+    comparison = out["kv_cache_dtype_comparison"]
+    auto, int8 = comparison["dtypes"]["auto"], comparison["dtypes"]["int8"]
+    assert comparison["pool_bytes"] == auto["pool"]["bytes"] == 6 * 8192 >= int8["pool"]["bytes"] > 6 * 8192 - 2560
+    assert comparison["blocks_ratio"] == pytest.approx(19 / 6)
+    assert comparison["throughput_ratio_zipage"] == pytest.approx(1.5)
+    assert comparison["mean_running_ratio_full"] == pytest.approx(2.0)
+    assert int8["throughput_zipage"] == 30.0 and out["throughput_zipage"] == 20.0 and out["pool"]["blocks"] == 7
+
+
+# -- bench_long -------------------------------------------------------------------------------
+
+
+def test_bench_long_smoke_tiny_model(llama_dir, tmp_path, capsys):
+    # 2 requests of 64 tokens, block 16, budget 32 tokens (2 blocks): a pool of 2 * 3 + 1 blocks, where full
+    # KV holds one request and a bit; windows of 16 tokens. Small batch limits keep the warm-up grid small.
+    argv = ["--model", llama_dir, "--json", "--requests", "2", "--prompt-len", "8", "16", "--max-tokens", "64",
+            "--window", "16", "--budget", "32", "--kvcache-block-size", "16", "--max-num-batched-tokens", "64",
+            "--max-compress-seqs", "1"]
+    assert bench_long.main(argv) == 0
+    out = last_json(capsys.readouterr().out)
+    compressed, full = out["compressed"], out["full"]
+    for run in (compressed, full):
+        assert run["compiles_after_warmup"] == 0 and run["compiles_by_window"] == [0] * 4
+        assert run["output_tokens"] == 2 * 64 and sum(run["steps_by_window"]) == run["steps"]
+        for key in ("step_ms_by_window", "host_ms_by_window", "tokens_per_s_by_window"):
+            assert len(run[key]) == 4 and all(x > 0 for x in run[key]), key
+        assert 0 < run["host_share"] < 1
+    assert compressed["warmup_programs_compiled"] > 0
+    # the first compaction comes when a sequence fills its 3rd block: generated token 3 * 16 - prompt (8)
+    assert compressed["first_full_window"] == full["first_full_window"] == (3 * 16 - 8) // 16 + 1
+    assert compressed["compressions"] > 0 and full["compressions"] == 0
+    assert compressed["preemptions"] == 0 and full["preemptions"] > 0
+    assert compressed["peak_running"] == 2 > full["mean_running"]
+    assert out["pool"]["blocks"] == 7 and out["policy"] == "vnorm-window"
+    assert out["goals"]["no_compiles_after_warmup"] and out["goals"]["last_vs_first_full_window"] == 1.0
+    src, png = tmp_path / "long.json", tmp_path / "long.png"
+    src.write_text(json.dumps(out) + "\n")
+    plot_results.main([str(src), "--out", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_long_presets_and_bad_arguments():
+    _, quick, model, options = bench_long.parse_args(["--quick", "--kv-cache-dtype", "int8"])
+    assert quick.max_tokens >= 2048 and quick.budget_tokens == 256 and quick.block_size == 64
+    assert options == {"kv_cache_dtype": "int8"} and model == "default"
+    quick.pool_workload().check()  # full KV holds the longest request
+    default = bench_long.PRESETS["default"]
+    assert (default.requests, default.max_tokens, default.window) == (32, 4096, 512)
+    assert default.pool_workload().num_pool_blocks == 32 * (256 // 64 + 1) + 1
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        bench_long.LongWorkload(4, 8, 8, 64, 16, budget_tokens=40).pool_workload()
+    with pytest.raises(SystemExit):
+        bench_long.parse_args(["--max-cache-blocks-per-seq", "4"])
 
 
 # -- bench_gpu --------------------------------------------------------------------------------
@@ -289,7 +398,9 @@ class FakeLLM:
 
     def __init__(self, texts: list[list[str]]):
         self.texts = texts
-        self.engine = SimpleNamespace(get_stats=lambda: SimpleNamespace(num_preemptions=1, num_compressions=5))
+        steps = {name: SimpleNamespace(compile_seconds={}) for name in ("forward", "compressor", "seeder")}
+        self.engine = SimpleNamespace(get_stats=lambda: SimpleNamespace(num_preemptions=1, num_compressions=5),
+                                      runner=SimpleNamespace(**steps))
         self.conversations = None
 
     def chat(self, conversations, params, use_tqdm=True):

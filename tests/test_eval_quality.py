@@ -73,7 +73,7 @@ def test_each_policy_runs_with_its_own_engine_options(loaded, args):
     names = ["zipage-attn", "zipage", "window-attn", "window"]
     mixed, _ = eq.run_batch(loaded, args, jobs * 4, [budget] * 8, [n for n in names for _ in jobs])
     for k, name in enumerate(names):
-        options = dict(eq.POLICIES[name])
+        options = dict(eq.VARIANTS[name])
         llm = eq.make_llm(loaded, args, eq.pool_blocks(jobs, [budget] * 2, 16), 2,
                           tuple(sorted(options.items())))  # eviction_policy as an engine option
         alone = eq.teacher_force(llm, jobs, [budget] * 2, ["full"] * 2)  # "full" sets no per-request policy
@@ -129,3 +129,15 @@ def test_plot_writes_png(tmp_path):
     src.write_text("{}\n")
     with pytest.raises(ValueError, match="results"):
         plot_results.load_rows(src)
+
+
+def test_variants_cover_the_policy_registry():
+    from zipage_jax import EngineConfig
+    from zipage_jax.compress.policies import POLICIES
+
+    assert set(POLICIES) <= set(eq.VARIANTS)
+    for name, options in eq.VARIANTS.items():
+        assert options.get("eviction_policy", "zipage") in POLICIES, name
+        EngineConfig.from_options(**eq.engine_options(eq.parse_args([]), eq.engine_group(name)))
+    assert eq.engine_group("window") == eq.engine_group("vnorm-window") == (("use_global_score", True),)
+    assert eq.engine_group("zipage-attn") == ()  # attention only: engine_options turns the global score off
