@@ -151,14 +151,12 @@ def make_grader():
 
 
 def run_mode(llm, problems: list[dict], params, grade) -> dict:
-    from bench_throughput import compile_seconds
-
     conversations = [[{"role": "user", "content": f"{p['problem']}\n{INSTRUCTION}"}] for p in problems]
-    compiled = compile_seconds(llm.engine.runner)
+    compiled = llm.engine.runner.compile_seconds
     start = time.perf_counter()
     results = llm.chat(conversations, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    compiled = compile_seconds(llm.engine.runner) - compiled
+    compiled = llm.engine.runner.compile_seconds - compiled
     correct, tokens, truncated = [], 0, 0
     for problem, result in zip(problems, results):
         outs = result["outputs"]

@@ -189,11 +189,6 @@ def engine_config(model: str, workload: Workload, compressed: bool, options: dic
     return EngineConfig.from_options(**base)
 
 
-def compile_seconds(runner) -> float:
-    """Seconds a runner has spent compiling, every program so far."""
-    return sum(sum(steps.compile_seconds.values()) for steps in (runner.forward, runner.compressor, runner.seeder))
-
-
 def warm_up(engine, warmup: bool = True) -> dict:
     """Compiles every program the engine can reach (untimed); returns what it took."""
     start = time.perf_counter()
@@ -249,11 +244,11 @@ class TimedRun(EngineRun):
 
     def step(self) -> None:
         runner = self.engine.runner
-        before, before_compress = compile_seconds(runner), sum(runner.compressor.compile_seconds.values())
+        before, before_compress = runner.compile_seconds, sum(runner.compressor.compile_seconds.values())
         start = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
-        compiled = compile_seconds(runner) - before
+        compiled = runner.compile_seconds - before
         self.compile_seconds += compiled
         self.compress_compile_seconds += sum(runner.compressor.compile_seconds.values()) - before_compress
         self.seconds += max(0.0, elapsed - compiled)

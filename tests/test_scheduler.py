@@ -428,3 +428,41 @@ def test_random_workloads_on_tiny_pools_always_finish(w):
         raise AssertionError("not finished after 3000 steps")
     loop.check_all_freed()
     assert all(s.num_output_tokens == loop.max_tokens[s] for s in loop.seqs if s is not aborted)
+
+
+def test_prefill_rows_stay_within_the_grid_and_a_full_row_beside_a_decode():
+    # rows of 8 tokens, 16 tokens a step: at most 2 prefill rows; a decode costs a token, not a row
+    bm = BlockManager(64, 4, True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16, num_query_slots=8, max_compress_seqs=8,
+                      prefill_row_size=8)
+    decoding = Sequence([1, 2, 3], 4)
+    sched.add(decoding)
+    for chunk in sched.schedule().chunks:  # its prompt
+        sched.commit(chunk)
+    decoding.token_ids.append(9)  # sampled: it decodes from now on
+    for prompt_len in (3, 9, 30):
+        sched.add(Sequence(list(range(1, prompt_len + 1)), 4))
+    for _ in range(6):
+        out = sched.schedule()
+        prefill = [c for c in out.chunks if c.num_tokens > 1]
+        assert sum(-(-c.num_tokens // 8) for c in prefill) <= 2  # rows
+        assert sum(c.num_tokens for c in out.chunks) <= 16  # tokens
+        for chunk in out.chunks:
+            sched.commit(chunk)
+            if chunk.samples:
+                chunk.seq.token_ids.append(9)
+    assert all(not s.in_prefill for s in sched.running)
+
+
+def test_a_step_of_one_row_still_admits_a_prefill_beside_a_decode():
+    bm = BlockManager(64, 4, True)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, num_query_slots=8, max_compress_seqs=8,
+                      prefill_row_size=8)
+    first = Sequence([1, 2], 4)
+    sched.add(first)
+    for chunk in sched.schedule().chunks:
+        sched.commit(chunk)
+    first.token_ids.append(5)
+    sched.add(Sequence([3, 4, 5, 6, 7], 4))
+    out = sched.schedule()
+    assert sorted(c.num_tokens for c in out.chunks) == [1, 5]  # the decode and the whole 5-token prompt

@@ -173,6 +173,7 @@ class LLMEngine:
                                        dynamic_ncols=True):
             compile_step()
         compiled = self.runner.num_compiles - before
+        self.stats.num_compiles = self.runner.num_compiles
         logger.info("warm-up: %d programs ready (%d compiled) in %.1f s", len(grid), compiled,
                     time.perf_counter() - start)
         return compiled

@@ -1,9 +1,9 @@
 """Continuous batching: which sequences compute which tokens this step.
 
 FCFS; running sequences first (decodes and prefill chunks), then admission from the waiting
-queue, all under `max_num_batched_tokens`. A prefill chunk costs its tokens rounded up to whole
-prefill rows (`prefill_row_size`), so a step's prefill rows never exceed
-max_num_batched_tokens / prefill_row_size. A sequence at its KV budget is compressed instead
+queue, all under `max_num_batched_tokens`. Prefill chunks are laid over rows of
+`prefill_row_size` tokens, and a step holds at most max_num_batched_tokens / prefill_row_size
+prefill rows, so the prefill step's shape stays within the compiled grid. A sequence at its KV budget is compressed instead
 of growing; compressed sequences are suspended, never preempted. Preemption is by recompute,
 the victim being the most recently admitted sequence that may be preempted. A sequence whose
 last token is sampled (perhaps still on its way to the host) is not scheduled again.
@@ -65,9 +65,23 @@ class Slots:
         return self.num_slots - len(self.free)
 
 
-def prefill_cost(num_tokens: int, row_size: int) -> int:
-    """Budget a chunk uses: a decode token is 1, a prefill chunk fills whole rows."""
-    return 1 if num_tokens == 1 else -(-num_tokens // row_size) * row_size
+@dataclass
+class StepBudget:
+    """What one step may still compute: tokens, and rows of the prefill batch."""
+
+    tokens: int
+    rows: int
+    row_size: int
+
+    def limit(self, num_tokens: int) -> int:
+        """The most of `num_tokens` a chunk may take now (a chunk of one token is a decode row)."""
+        n = min(num_tokens, self.tokens)
+        return n if n <= 1 else min(n, self.rows * self.row_size)
+
+    def take(self, num_tokens: int) -> None:
+        self.tokens -= num_tokens
+        if num_tokens > 1:
+            self.rows -= -(-num_tokens // self.row_size)
 
 
 class Scheduler:
@@ -96,9 +110,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = StepBudget(self.max_num_batched_tokens, self.max_num_batched_tokens // self.prefill_row_size,
+                            self.prefill_row_size)
         for seq in list(self.running):
-            if budget == 0:
+            if budget.tokens == 0:
                 break
             if seq.status != SequenceStatus.RUNNING or seq.is_complete:
                 continue  # preempted earlier in this loop, or waiting for its last token
@@ -118,9 +133,9 @@ class Scheduler:
             if n == 0:
                 continue
             out.chunks.append(Chunk(seq, seq.num_computed_tokens, n))
-            budget -= prefill_cost(n, self.prefill_row_size)
+            budget.take(n)
         # No admission in a step that preempted: the pool is full (vLLM does the same).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             parent = seq.parent
             if parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens:
@@ -139,7 +154,7 @@ class Scheduler:
             self.state_slots.acquire(seq)  # always free: one per running sequence
             self.running.append(seq)
             out.chunks.append(Chunk(seq, seq.num_computed_tokens, n))
-            budget -= prefill_cost(n, self.prefill_row_size)
+            budget.take(n)
         return out
 
     def _needs_compression(self, seq: Sequence) -> bool:
@@ -147,12 +162,10 @@ class Scheduler:
         return (m is not None and not seq.in_prefill and len(seq.block_table) >= m + 1
                 and seq.num_kv_slots == len(seq.block_table) * self.block_manager.block_size)
 
-    def _chunk_size(self, seq: Sequence, budget: int) -> int:
-        """Tokens to compute now, within the budget in whole prefill rows; stops before a query
+    def _chunk_size(self, seq: Sequence, budget: StepBudget) -> int:
+        """Tokens to compute now, within the step's tokens and prefill rows; stops before a query
         tail when no query slot is free."""
-        n = min(seq.num_uncomputed_tokens, budget)
-        if prefill_cost(n, self.prefill_row_size) > budget:
-            n = budget // self.prefill_row_size * self.prefill_row_size
+        n = budget.limit(seq.num_uncomputed_tokens)
         tail = seq.first_query_tail_slot()
         if tail is not None and tail < seq.num_kv_slots + n and not self.query_slots.acquire(seq):
             n = max(0, tail - seq.num_kv_slots)
