@@ -3,8 +3,12 @@
     python scripts/bench_engine.py [--model default] [--batches 1 16 64] [--new-tokens 64] [--runs 3] [--json]
 
 Greedy decoding of a fixed number of new tokens (EOS ignored) for a batch of prompts; output
-tokens per second, median of --runs timed runs after one warm-up (which also compiles). The
-last line with --json is one JSON object with every figure and the ratios against HF.
+tokens per second, median of --runs timed runs after one warm-up (which also compiles), the
+engine's and HF's runs interleaved. Per batch it also breaks the engine's decode step down:
+its median decode step against the model's matrix products alone at that batch (every layer's
+projections and the LM head, one jitted chain on the same weights): the floor no engine on
+this machine goes under. The last line with --json is one JSON object with every figure and
+the ratios against HF.
 """
 
 from __future__ import annotations
@@ -19,35 +23,90 @@ import time
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time"
 
 
-def bench_zipage(llm, batch: int, new_tokens: int, runs: int) -> float:
+def zipage_run(llm, batch: int, new_tokens: int) -> tuple[float, list[float]]:
+    """Seconds for one batch; and the seconds of each step that only decoded."""
     from zipage_jax import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    prompts = [PROMPT] * batch
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every bucket this batch uses
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-        assert all(len(o["token_ids"]) == new_tokens for o in outs)
-    return batch * new_tokens / statistics.median(times)
+    engine = llm.engine
+    ids = [engine.add_request(PROMPT, params) for _ in range(batch)]
+    decode_steps = []
+    start = time.perf_counter()
+    finished = {}
+    while engine.has_unfinished_requests():
+        prefill = engine.stats.prefill_tokens
+        step_start = time.perf_counter()
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if engine.stats.prefill_tokens == prefill:
+            decode_steps.append(time.perf_counter() - step_start)
+    seconds = time.perf_counter() - start
+    assert all(len(finished[i].outputs[0].token_ids) == new_tokens for i in ids)
+    return seconds, decode_steps
 
 
-def bench_hf(model, tokenizer, batch: int, new_tokens: int, runs: int) -> float:
+def hf_run(model, tokenizer, batch: int, new_tokens: int) -> float:
     import torch
 
     ids = torch.tensor([tokenizer(PROMPT)["input_ids"]] * batch)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   attention_mask=torch.ones_like(ids), pad_token_id=tokenizer.eos_token_id)
-    times = []
     with torch.inference_mode():
-        model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
-        for _ in range(runs):
-            start = time.perf_counter()
-            model.generate(ids, **kwargs)
-            times.append(time.perf_counter() - start)
-    return batch * new_tokens / statistics.median(times)
+        start = time.perf_counter()
+        model.generate(ids, **kwargs)
+        return time.perf_counter() - start
+
+
+def matmul_floor_seconds(llm, batch: int, runs: int = 10) -> float:
+    """One decode step's matrix products alone at `batch` rows: q/k/v, o, gate, up and down of
+    every layer and the LM head, in one jitted chain over the engine's own weights."""
+    import jax
+    import jax.numpy as jnp
+
+    model = llm.engine.loaded.model
+    layers = [(l.self_attn.qkv_proj.kernel[...], l.self_attn.o_proj.kernel[...], l.mlp.gate_proj.kernel[...],
+               l.mlp.up_proj.kernel[...], l.mlp.down_proj.kernel[...]) for l in model.layers]
+    head = (model.embed_tokens if model.lm_head is None else model.lm_head).weight[...]
+
+    @jax.jit
+    def chain(x, layers, head):
+        for qkv, o, gate, up, down in layers:
+            x = x + (x @ qkv)[:, : o.shape[0]] @ o
+            x = x + (jax.nn.silu(x @ gate) * (x @ up)) @ down
+        return jnp.einsum("be,ve->bv", x, head)
+
+    x = jnp.full((batch, head.shape[1]), 0.01, model.dtype)
+    chain(x, layers, head).block_until_ready()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        chain(x, layers, head).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_batch(llm, hf, batch: int, new_tokens: int, runs: int) -> dict:
+    """Tokens/s of the engine and HF, runs interleaved; the decode-step breakdown."""
+    zipage_run(llm, batch, new_tokens)  # warm-up: compiles every bucket this batch uses
+    if hf is not None:
+        hf_run(hf, llm.tokenizer, batch, 2)
+    ours, theirs, steps = [], [], []
+    for _ in range(runs):
+        seconds, decode_steps = zipage_run(llm, batch, new_tokens)
+        ours.append(seconds)
+        steps += decode_steps
+        if hf is not None:
+            theirs.append(hf_run(hf, llm.tokenizer, batch, new_tokens))
+    row = {"zipage_tok_s": batch * new_tokens / statistics.median(ours)}
+    if hf is not None:
+        row["hf_tok_s"] = batch * new_tokens / statistics.median(theirs)
+        row["ratio_vs_hf"] = row["zipage_tok_s"] / row["hf_tok_s"]
+    floor = matmul_floor_seconds(llm, batch)
+    row["decode_step_ms"] = 1e3 * statistics.median(steps)
+    row["matmul_floor_ms"] = 1e3 * floor
+    row["decode_step_over_floor"] = statistics.median(steps) / floor
+    return row
 
 
 def bench_llama_cpp(gguf_path: str, new_tokens: int, runs: int) -> float | None:
@@ -79,15 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     from zipage_jax import LLM
     from zipage_jax.crosscheck.reference import load_reference_model
 
-    llm = LLM(args.model, max_num_seqs=max(args.batches), kvcache_block_size=32)
+    llm = LLM(args.model, max_num_seqs=max(args.batches), kvcache_block_size=32, warmup=True)
     source = str(llm.engine.loaded.source)
     results: dict = {"model": source, "new_tokens": args.new_tokens, "runs": args.runs, "batches": {}}
     hf = None if args.skip_hf else load_reference_model(source)
     for batch in args.batches:
-        row = {"zipage_tok_s": bench_zipage(llm, batch, args.new_tokens, args.runs)}
-        if hf is not None:
-            row["hf_tok_s"] = bench_hf(hf, llm.tokenizer, batch, args.new_tokens, args.runs)
-            row["ratio_vs_hf"] = row["zipage_tok_s"] / row["hf_tok_s"]
+        row = bench_batch(llm, hf, batch, args.new_tokens, args.runs)
         results["batches"][str(batch)] = row
         print(f"batch {batch:3d}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), file=sys.stderr)
     if source.endswith(".gguf"):

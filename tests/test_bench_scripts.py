@@ -1,4 +1,5 @@
-"""The benchmark scripts' plumbing: bench_throughput, bench_long, bench_gpu --smoke, bench_math (tiny models)."""
+"""The benchmark scripts' plumbing: bench_throughput, bench_long, bench_gpu --smoke, bench_math, bench_engine
+(tiny models)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import bench_engine  # noqa: E402
 import bench_gpu  # noqa: E402
 import bench_long  # noqa: E402
 import bench_math  # noqa: E402
@@ -437,3 +439,18 @@ def test_bench_math_end_to_end_default_model(tmp_path, capsys):
     report = last_json(capsys.readouterr().out)
     _check_math_report(report, 2, 2, 24)
     assert report["model"].endswith(".gguf") and report["budget_tokens"] == 32
+
+
+# -- bench_engine -------------------------------------------------------------------------------
+
+
+def test_bench_engine_against_hf_and_the_matmul_floor(llama_dir, capsys):
+    assert bench_engine.main(["--model", llama_dir, "--batches", "1", "2", "--new-tokens", "6", "--runs", "2",
+                              "--json"]) == 0
+    out = last_json(capsys.readouterr().out)
+    assert out["new_tokens"] == 6 and set(out["batches"]) == {"1", "2"}
+    for row in out["batches"].values():
+        assert row["zipage_tok_s"] > 0 and row["hf_tok_s"] > 0
+        assert row["ratio_vs_hf"] == pytest.approx(row["zipage_tok_s"] / row["hf_tok_s"])
+        assert 0 < row["matmul_floor_ms"] and row["decode_step_ms"] > 0
+        assert row["decode_step_over_floor"] == pytest.approx(row["decode_step_ms"] / row["matmul_floor_ms"])
