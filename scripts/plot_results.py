@@ -19,7 +19,13 @@ A file whose last line holds a {"sweep": [...]} object gets the throughput plot:
 output tok/s and mean running sequences vs the budget in blocks (log scale), one line per
 policy, full KV as a dashed reference line.
 
-Several files are merged (a later file's row replaces an earlier one for the same policy and budget).
+Several files are merged (a later file's row replaces an earlier one for the same policy and budget,
+and for equal-memory rows the same dtype, memory fraction and split).
+
+Equal-memory rows (eval_quality.py --memory-fractions) get their own plot: a row of panels per split
+(held-out first), text and reasoning ppl_ratio against the memory as a fraction of the bfloat16 full
+KV (log scale), one line per policy x kv dtype (colour: policy, line style: dtype), quantization
+alone (int8 / fp8 with full KV) as single points, full KV and the 0.97 goal as reference lines.
 
 One panel per metric present (text and reasoning ppl_ratio, passkey accuracy, greedy
 agreement); x: budget as a fraction of the context (log scale), one line per policy, full KV
@@ -63,7 +69,9 @@ def merge(files: list[Path]) -> list[dict]:
     rows: dict[tuple, dict] = {}
     for path in files:
         for row in load_rows(path):
-            rows[(row["policy"], row["budget_fraction"])] = row
+            key = (row["policy"], row["budget_fraction"], row.get("kv_cache_dtype"), row.get("memory_fraction"),
+                   row.get("split"))
+            rows[key] = row
     return list(rows.values())
 
 
@@ -102,6 +110,63 @@ def plot(rows: list[dict], out: Path) -> list[str]:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return metrics
+
+
+MEMORY_METRICS = {"ppl_ratio": "text", "reasoning_ppl_ratio": "reasoning"}
+DTYPE_STYLES = {"auto": "-", "int8": "--", "fp8": ":"}
+GOAL = 0.97
+
+
+def is_memory(rows: list[dict]) -> bool:
+    return any("memory_fraction" in r for r in rows)
+
+
+def plot_memory(rows: list[dict], out: Path) -> list[str]:
+    """Quality vs memory (fraction of the bf16 full KV) per policy x dtype, a row of panels per
+    split; returns the splits plotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    splits = sorted({r.get("split", "dev") for r in rows}, key=lambda s: (s != "heldout", s))
+    compressed = [r for r in rows if r["policy"] != "full"]
+    if not compressed:
+        raise ValueError("no compressed policy in the results")
+    policies = list(dict.fromkeys(r["policy"] for r in compressed))
+    colours = {p: f"C{i}" for i, p in enumerate(policies)}
+    fig, axes = plt.subplots(len(splits), len(MEMORY_METRICS), figsize=(5.2 * len(MEMORY_METRICS),
+                                                                        3.8 * len(splits)), squeeze=False)
+    for ax_row, split in zip(axes, splits):
+        mine = [r for r in rows if r.get("split", "dev") == split]
+        for ax, (metric, title) in zip(ax_row, MEMORY_METRICS.items()):
+            for policy in policies:
+                for dtype, style in DTYPE_STYLES.items():
+                    points = sorted((r["memory_fraction_bf16"], r[metric]) for r in mine if r["policy"] == policy
+                                    and r["kv_cache_dtype"] == dtype and r.get(metric) is not None)
+                    if points:
+                        xs, ys = zip(*points)
+                        ax.plot(xs, ys, marker="o", linestyle=style, color=colours[policy], label=f"{policy} {dtype}")
+            for r in mine:
+                if r["policy"] == "full" and r["kv_cache_dtype"] != "auto" and r.get(metric) is not None:
+                    ax.plot([r["memory_fraction_bf16"]], [r[metric]], marker="s", linestyle="none", color="black",
+                            fillstyle="none" if r["kv_cache_dtype"] == "fp8" else "full",
+                            label=f"full KV {r['kv_cache_dtype']}")
+            ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="full KV (f32 reference)")
+            ax.axhline(GOAL, color="grey", linestyle=":", linewidth=1, label=f"goal {GOAL}")
+            fractions = sorted({r["memory_fraction"] for r in mine if r["policy"] != "full"})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(fractions, [f"1/{round(1 / f)}" for f in fractions])
+            ax.set_xlabel("KV memory (fraction of the bf16 full KV's bytes)")
+            ax.set_title(f"ppl ratio, {title} ({split})", fontsize=10)
+            ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return splits
 
 
 SWEEP_PANELS = {
@@ -202,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("results", type=Path, nargs="+", help="files whose last line is eval_quality.py's JSON, "
                                                         "or one file whose last line is a bench_throughput sweep "
                                                         "or bench_long.py's JSON")
-    p.add_argument("--out", type=Path, help="default: docs/quality_vs_budget.png, "
+    p.add_argument("--out", type=Path, help="default: docs/quality_vs_budget.png (docs/quality_vs_memory.png "
+                                            "for equal-memory results), "
                                             "docs/throughput_vs_budget.png for a sweep, "
                                             "docs/long_generation.png for bench_long")
     p.add_argument("--policies", nargs="+", help="quality plot: only these policies (and full KV)")
@@ -216,10 +282,14 @@ def main(argv: list[str] | None = None) -> None:
             names = plot_one(loaded[0], out)
             print(f"wrote {out} ({', '.join(names)})")
             return
-    out = args.out or Path("docs/quality_vs_budget.png")
     rows = merge(args.results)
     if args.policies:
         rows = [r for r in rows if r["policy"] in {"full", *args.policies}]
+    if is_memory(rows):
+        out = args.out or Path("docs/quality_vs_memory.png")
+        print(f"wrote {out} (splits: {', '.join(plot_memory(rows, out))})")
+        return
+    out = args.out or Path("docs/quality_vs_budget.png")
     metrics = plot(rows, out)
     print(f"wrote {out} ({', '.join(metrics)})")
 
