@@ -400,9 +400,8 @@ class FakeLLM:
 
     def __init__(self, texts: list[list[str]]):
         self.texts = texts
-        steps = {name: SimpleNamespace(compile_seconds={}) for name in ("forward", "compressor", "seeder")}
         self.engine = SimpleNamespace(get_stats=lambda: SimpleNamespace(num_preemptions=1, num_compressions=5),
-                                      runner=SimpleNamespace(**steps))
+                                      runner=SimpleNamespace(compile_seconds=0.0))
         self.conversations = None
 
     def chat(self, conversations, params, use_tqdm=True):
