@@ -360,6 +360,9 @@ class ByteTokenizer:
     def __call__(self, text: str) -> dict:
         return {"input_ids": list(text.encode())}
 
+    def __len__(self) -> int:  # the engine accepts token ids below min(model vocabulary, tokenizer's)
+        return 256
+
     def convert_ids_to_tokens(self, ids, skip_special_tokens: bool = False) -> list[str]:
         return [f"<{i}>" for i in ids]
 

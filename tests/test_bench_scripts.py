@@ -312,6 +312,15 @@ def test_bench_gpu_random_model_and_byte_tokenizer():
     ids = tok("héllo")["input_ids"]
     assert ids == list("héllo".encode()) and max(ids) < loaded.config.vocab_size
     assert tok.convert_tokens_to_string(tok.convert_ids_to_tokens([7, 300])) == "<7><300>"
+    from zipage_jax import SamplingParams
+    from zipage_jax.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(loaded=loaded, num_kvcache_blocks=4, kvcache_block_size=16, max_num_seqs=1)
+    engine.add_request(ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))  # ids below len(tok)
+    with pytest.raises(ValueError, match="prompt token ids"):
+        engine.add_request([256], SamplingParams(max_tokens=1))
+    outs = [o for _ in range(8) for o in engine.step() if o.finished]
+    assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 3
     assert bench_gpu.QWEN3_8B["num_layers"] == 36 and bench_gpu.QWEN3_8B["vocab_size"] == 151936
 
 
