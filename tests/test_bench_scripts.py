@@ -1,5 +1,5 @@
-"""The benchmark scripts' plumbing: bench_throughput, bench_long, bench_gpu --smoke, bench_math, bench_engine
-(tiny models)."""
+"""The benchmark scripts' plumbing: bench_throughput, bench_long, bench_gpu --smoke, bench_math, bench_engine,
+bench_xla_attention (tiny models and shapes)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import bench_gpu  # noqa: E402
 import bench_long  # noqa: E402
 import bench_math  # noqa: E402
 import bench_throughput as bt  # noqa: E402
+import bench_xla_attention  # noqa: E402
 import compact_cases  # noqa: E402
 import plot_results  # noqa: E402
 
@@ -462,3 +463,17 @@ def test_bench_engine_against_hf_and_the_matmul_floor(llama_dir, capsys):
         assert row["ratio_vs_hf"] == pytest.approx(row["zipage_tok_s"] / row["hf_tok_s"])
         assert 0 < row["matmul_floor_ms"] and row["decode_step_ms"] > 0
         assert row["decode_step_over_floor"] == pytest.approx(row["decode_step_ms"] / row["matmul_floor_ms"])
+
+
+# -- bench_xla_attention ------------------------------------------------------------------------
+
+
+def test_bench_xla_attention_times_every_step_and_marks_the_default(capsys):
+    assert bench_xla_attention.main(["--cases", "2x40", "1x70", "--steps", "32", "128", "--runs", "2", "--json"]) == 0
+    out = last_json(capsys.readouterr().out)["cases"]
+    assert [(c["batch"], c["context"]) for c in out] == [(2, 40), (1, 70)]
+    assert [c["default_step"] for c in out] == [128, 256]  # tokens_per_step: 256 keys for one row, 128 for more
+    assert all(set(c["ms"]) == {"32", "128"} and min(c["ms"].values()) > 0 for c in out)
+    for bad in (["--cases", "2by40"], ["--cases", "0x40"], ["--steps", "48"]):
+        with pytest.raises(SystemExit):
+            bench_xla_attention.main(bad)
