@@ -76,9 +76,9 @@ def check_paged_inputs(q_heads: int, head_dim: int, k_pool: jax.Array, v_pool: j
 def tokens_per_step(batch: int, chunk: int, q_heads: int, page: int) -> int:
     """Keys per loop step, a power of two: many rows take short steps (a step gathers keys past a
     short row's end for nothing), few rows long ones (each step costs a fixed overhead); the
-    logits of a step stay under _LOGITS_PER_STEP. One row takes 256, more rows 128: on CPU, 128
-    is the fastest or within 15% of it from 1 to 64 rows and 96 to 1,024 keys, and longer steps
-    gather keys past a short row's end for every row (docs/RESULTS.md)."""
+    logits of a step stay under _LOGITS_PER_STEP. One row takes 256, more rows 128: on CPU 128 is
+    the fastest at 8-64 rows, 256 within 20% of it for one row, and longer steps gather keys past
+    a short row's end for every row (scripts/bench_xla_attention.py)."""
     low, high = _STEP_TOKENS
     tokens = min(high, max(low, _ROW_TOKENS_PER_STEP // batch), max(1, _LOGITS_PER_STEP // (batch * chunk * q_heads)))
     tokens = 1 << (tokens.bit_length() - 1)
