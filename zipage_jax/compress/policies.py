@@ -19,7 +19,8 @@ scored tokens. With `recent_fraction = 0` the recent window is the query tail (t
   window. H2O (Zhang et al., NeurIPS 2023) splits its budget between heavy hitters and recent
   tokens, SnapKV (Li et al., 2024) keeps its observation window; 16 cached queries estimate
   long-range importance noisily, so a fixed share of the budget goes to the recent past, which
-  the next tokens depend on most. 0.75 was the best of 0.25 / 0.5 / 0.75 (docs/RESULTS.md).
+  the next tokens depend on most. 0.75 was the best of 0.25 / 0.5 / 0.75 on the dev texts
+  (docs/RESULTS.md); held-out prose prefers less recency.
 - "vnorm-window": "window" with each token's attention score multiplied by the L2 norm of its
   value (VATP: Guo et al., EMNLP 2024): a token adds attention * value to the output, so a
   heavily attended token with a small value (sinks, punctuation) matters less. The default.
@@ -73,7 +74,7 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("window", Score.ATTENTION, PolicyOptions(sinks=4, recent_fraction=0.75)),
     Policy("vnorm-window", Score.VALUE_NORM, PolicyOptions(sinks=4, recent_fraction=0.75)),
 )}
-DEFAULT_POLICY = "vnorm-window"  # best measured (docs/RESULTS.md, "Quality"); "zipage" = reference
+DEFAULT_POLICY = "vnorm-window"  # best on code and reasoning (docs/RESULTS.md); "zipage" = reference
 
 
 def get_policy(name: object) -> Policy:
