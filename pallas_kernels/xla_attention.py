@@ -37,8 +37,7 @@ from jax import lax
 from pallas_kernels import kv_quant
 
 _LOGITS_PER_STEP = 1 << 22  # float32 logits per loop step (16 MiB)
-_ROW_TOKENS_PER_STEP = 1 << 8  # rows x keys gathered per step: a short context wastes little of it
-_STEP_TOKENS = (128, 1024)  # keys per step, at least and at most
+_STEP_TOKENS_ONE_ROW, _STEP_TOKENS = 256, 128  # keys per loop step, powers of two
 
 
 class NewKV(NamedTuple):
@@ -74,13 +73,12 @@ def check_paged_inputs(q_heads: int, head_dim: int, k_pool: jax.Array, v_pool: j
 
 
 def tokens_per_step(batch: int, chunk: int, q_heads: int, page: int) -> int:
-    """Keys per loop step, a power of two: many rows take short steps (a step gathers keys past a
-    short row's end for nothing), few rows long ones (each step costs a fixed overhead); the
-    logits of a step stay under _LOGITS_PER_STEP. One row takes 256, more rows 128: on CPU 128 is
-    the fastest at 8-64 rows, 256 within 20% of it for one row, and longer steps gather keys past
-    a short row's end for every row (scripts/bench_xla_attention.py)."""
-    low, high = _STEP_TOKENS
-    tokens = min(high, max(low, _ROW_TOKENS_PER_STEP // batch), max(1, _LOGITS_PER_STEP // (batch * chunk * q_heads)))
+    """Keys per loop step, a power of two: 256 for one row, 128 for more, fewer when the logits of
+    a step would pass _LOGITS_PER_STEP. On CPU 128 is the fastest at 8-64 rows and 256 within 20%
+    of the fastest for one row; a longer step gathers keys past a short row's end for every row
+    (scripts/bench_xla_attention.py)."""
+    tokens = min(_STEP_TOKENS_ONE_ROW if batch == 1 else _STEP_TOKENS,
+                 max(1, _LOGITS_PER_STEP // (batch * chunk * q_heads)))
     tokens = 1 << (tokens.bit_length() - 1)
     return max(page, tokens // page * page)
 

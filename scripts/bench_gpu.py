@@ -152,7 +152,9 @@ def section_environment(args) -> dict:
             "peak_gbs": peak_bandwidth(args), "smoke": args.smoke}
 
 
-def _decode_inputs(seed, batch, heads, block_size, context, dtype):
+def decode_inputs(seed, batch, heads, block_size, context, dtype):
+    """Random q [B, Hq, D], K/V pools [B * W + 1, P, Hkv, D] and block tables [B, W] (a
+    permutation of the pages, the dummy page 0 unused) for `context` keys per row."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -178,7 +180,7 @@ def section_paged_decode(args) -> dict:
     kernel = jax.jit(functools.partial(paged_decode_attention, interpret=args.smoke))
     rows = []
     for model, heads, block_size, dtype in kernel_grid(args):
-        q, k_pool, v_pool, tables = _decode_inputs(0, batch, heads, block_size, context, jnp.dtype(dtype))
+        q, k_pool, v_pool, tables = decode_inputs(0, batch, heads, block_size, context, jnp.dtype(dtype))
         lens = np.random.default_rng(1).integers(1, context + 1, batch).astype(np.int32)
         lens[0], lens[-1] = context, 0  # a full row and a padding row
         lens = jnp.asarray(lens)
@@ -204,7 +206,7 @@ def section_decode_bandwidth(args) -> dict:
     for model, heads, block_size, name in kernel_grid(args):
         if name != jnp.dtype(dtype).name:
             continue
-        q, k_pool, v_pool, tables = _decode_inputs(2, batch, heads, block_size, context, dtype)
+        q, k_pool, v_pool, tables = decode_inputs(2, batch, heads, block_size, context, dtype)
         lens = jnp.full((batch,), context, jnp.int32)
         seconds = time_call(kernel, q, k_pool, v_pool, tables, lens, iters=args.iters)
         xla_seconds = time_call(paged_decode_attention_reference, q, k_pool, v_pool, tables, lens, iters=args.iters)
@@ -230,7 +232,7 @@ def section_attention_score(args) -> dict:
     for model, heads, block_size, dtype in kernel_grid(args):
         q_heads, kv_heads, head_dim = heads
         width = 4 if block_size == 256 else 32  # 1k / 512 tokens
-        _, k_pool, _, tables = _decode_inputs(3, batch, heads, block_size, width * block_size, jnp.dtype(dtype))
+        _, k_pool, _, tables = decode_inputs(3, batch, heads, block_size, width * block_size, jnp.dtype(dtype))
         queries = jax.random.normal(jax.random.key(4), (batch, query_len, q_heads, head_dim), dtype)
         num_blocks = np.random.default_rng(5).integers(1, width + 1, batch).astype(np.int32)
         num_blocks[-1] = 0  # a padding row

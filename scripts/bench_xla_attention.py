@@ -17,24 +17,18 @@ import sys
 import time
 
 
-def time_case(batch: int, context: int, steps: list[int], runs: int, heads=(9, 3), head_dim=64,
-              page=32, table_width=64) -> dict:
+def time_case(batch: int, context: int, steps: list[int], runs: int, heads=(9, 3, 64), page=32,
+              table_width=64) -> dict:
     import jax.numpy as jnp
-    import numpy as np
 
+    from bench_gpu import decode_inputs
     from pallas_kernels.xla_attention import Pools, paged_attention, tokens_per_step
 
-    q_heads, kv_heads = heads
-    pages = -(-context // page)
-    if pages > table_width:
-        raise ValueError(f"context {context} needs {pages} pages, more than the table width {table_width}")
-    rng = np.random.default_rng(0)
-    k = jnp.asarray(rng.standard_normal((batch * pages + 1, page, kv_heads, head_dim), np.float32))
-    pools = Pools(k, 0.5 * k)
-    tables = np.zeros((batch, table_width), np.int32)  # padded with the dummy page 0
-    tables[:, :pages] = 1 + np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
-    tables = jnp.asarray(tables)
-    q = jnp.asarray(rng.standard_normal((batch, 1, q_heads, head_dim), np.float32))
+    if -(-context // page) > table_width:
+        raise ValueError(f"context {context} needs more pages than the table width {table_width}")
+    q, k_pool, v_pool, tables = decode_inputs(0, batch, heads, page, context, jnp.float32)
+    q, pools = q[:, None], Pools(k_pool, v_pool)  # one decode token per row
+    tables = jnp.pad(tables, ((0, 0), (0, table_width - tables.shape[1])))  # padded with the dummy page 0
     lens = jnp.full((batch, 1), context, jnp.int32)
 
     def call(step: int) -> float:
@@ -48,7 +42,7 @@ def time_case(batch: int, context: int, steps: list[int], runs: int, heads=(9, 3
     for _ in range(runs):
         for step in steps:
             times[step].append(call(step))
-    return {"batch": batch, "context": context, "default_step": tokens_per_step(batch, 1, q_heads, page),
+    return {"batch": batch, "context": context, "default_step": tokens_per_step(batch, 1, heads[0], page),
             "ms": {str(s): 1e3 * statistics.median(t) for s, t in times.items()}}
 
 

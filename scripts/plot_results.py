@@ -46,6 +46,15 @@ METRICS = {
 }
 
 
+def save_figure(fig, out: Path, tight: bool = False) -> None:
+    """Write `fig` to `out` (its folder created) and free it."""
+    import matplotlib.pyplot as plt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, **({"bbox_inches": "tight"} if tight else {}))
+    plt.close(fig)
+
+
 def load_json(path: Path) -> dict:
     """The JSON object on a file's last non-empty line."""
     lines = [line for line in path.read_text().splitlines() if line.strip()]
@@ -106,9 +115,7 @@ def plot(rows: list[dict], out: Path) -> list[str]:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out)
     return metrics
 
 
@@ -163,9 +170,7 @@ def plot_memory(rows: list[dict], out: Path) -> list[str]:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, out, tight=True)
     return splits
 
 
@@ -205,9 +210,7 @@ def plot_sweep(data: dict, out: Path) -> list[str]:
     if data.get("pool_blocks"):
         fig.suptitle(f"one KV pool of {data['pool_blocks']} blocks for every point", fontsize=10)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out)
     return policies
 
 
@@ -247,9 +250,7 @@ def plot_long(data: dict, out: Path) -> list[str]:
         fig.suptitle(f"{data['workload']['requests']} requests, one pool of {pool['blocks']} blocks of "
                      f"{pool['block_size']} tokens for both runs", fontsize=10)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out)
     return list(runs)
 
 
