@@ -39,10 +39,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kv_quant import check_kv_scales
-from pallas_kernels.xla_attention import Pools, check_paged_inputs, paged_attention
+from pallas_kernels.kv_pool import KVPool
+from pallas_kernels.tiling import next_power_of_two
+from pallas_kernels.xla_attention import check_paged_inputs, paged_attention
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_TARGET_PROGRAMS = 132  # H200 SM count: split the pages until the grid fills the GPU once
+_DEFAULT_PROGRAMS = 128  # grid size to fill when the device does not report its core count
 _LOG2E = math.log2(math.e)
 
 
@@ -107,8 +109,10 @@ def paged_decode_kernel(
     m_ref[...] = m
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
+def _num_programs_target() -> int:
+    """Programs that fill the GPU once: its streaming multiprocessors (JAX's `core_count`);
+    _DEFAULT_PROGRAMS where the device does not say (CPU lowering under an abstract GPU)."""
+    return getattr(jax.devices()[0], "core_count", None) or _DEFAULT_PROGRAMS
 
 
 def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, *, scale, block_h,
@@ -126,12 +130,12 @@ def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, *, scal
     scale_pages = [s.reshape(k_pages.shape[:3]) for s in scales]  # the same page split
     page_tables = (block_tables[:, :, None] * splits_per_block
                    + jnp.arange(splits_per_block, dtype=jnp.int32)).reshape(batch, -1)
-    pages_per_step = min(block_k // page_size, _next_pow2(page_tables.shape[1]))
+    pages_per_step = min(block_k // page_size, next_power_of_two(page_tables.shape[1]))
     num_steps = -(-page_tables.shape[1] // pages_per_step)
     if k_splits is None:
-        k_splits = _next_pow2(-(-_TARGET_PROGRAMS // (batch * num_kv_heads)))
-    k_splits = min(k_splits, _next_pow2(num_steps))
-    pages_per_split = _next_pow2(-(-num_steps // k_splits)) * pages_per_step
+        k_splits = next_power_of_two(-(-_num_programs_target() // (batch * num_kv_heads)))
+    k_splits = min(k_splits, next_power_of_two(num_steps))
+    pages_per_split = next_power_of_two(-(-num_steps // k_splits)) * pages_per_step
     # Padding with dummy pages: they lie past every context length, so they are masked.
     page_tables = jnp.pad(page_tables,
                           ((0, 0), (0, k_splits * pages_per_split - page_tables.shape[1])))
@@ -229,7 +233,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     if k_splits is not None and k_splits < 1:
         raise ValueError(f"k_splits must be >= 1, got {k_splits}")
     scale = head_dim**-0.5 if scale is None else scale
-    block_h = max(block_h, _next_pow2(q_heads // k_pool.shape[2]))
+    block_h = max(block_h, next_power_of_two(q_heads // k_pool.shape[2]))
     scales = (k_scales, v_scales) if quantized else ()
     return _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, scale=scale,
                          block_h=block_h, block_k=block_k, k_splits=k_splits,
@@ -244,6 +248,6 @@ def paged_decode_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: ja
     if q.ndim != 3 or context_lens.ndim != 1:
         raise ValueError(f"q must be [B, Hq, D] and context_lens [B], "
                          f"got {q.shape} and {context_lens.shape}")
-    out, _ = paged_attention(q[:, None], Pools(k_pool, v_pool), block_tables, context_lens[:, None], scale=scale)
+    out, _ = paged_attention(q[:, None], KVPool(k_pool, v_pool), block_tables, context_lens[:, None], scale=scale)
     return out[:, 0]
 

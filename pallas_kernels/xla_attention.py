@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import kv_quant
+from pallas_kernels.kv_pool import KVPool
 
 _LOGITS_PER_STEP = 1 << 22  # float32 logits per loop step (16 MiB)
 _STEP_TOKENS_ONE_ROW, _STEP_TOKENS = 256, 128  # keys per loop step, powers of two
@@ -44,13 +45,6 @@ class NewKV(NamedTuple):
     slots: jax.Array  # [B, C] int32 flat pool slot (page * P + offset); padding: the dummy page
     k: jax.Array  # [B, C, Hkv, D]
     v: jax.Array  # [B, C, Hkv, D]
-
-
-class Pools(NamedTuple):
-    k: jax.Array  # [num_pages, P, Hkv, D]
-    v: jax.Array  # [num_pages, P, Hkv, D]
-    k_scales: jax.Array | None = None  # [num_pages, P, Hkv] float32 (quantized pools only)
-    v_scales: jax.Array | None = None
 
 
 def check_paged_inputs(q_heads: int, head_dim: int, k_pool: jax.Array, v_pool: jax.Array,
@@ -74,22 +68,22 @@ def check_paged_inputs(q_heads: int, head_dim: int, k_pool: jax.Array, v_pool: j
 
 def tokens_per_step(batch: int, chunk: int, q_heads: int, page: int) -> int:
     """Keys per loop step, a power of two: 256 for one row, 128 for more, fewer when the logits of
-    a step would pass _LOGITS_PER_STEP. On CPU 128 is the fastest at 8-64 rows and 256 within 20%
-    of the fastest for one row; a longer step gathers keys past a short row's end for every row
-    (scripts/bench_xla_attention.py)."""
+    a step would pass _LOGITS_PER_STEP. A longer step gathers keys past a short row's end for
+    every row; scripts/bench_xla_attention.py measures the choice (docs/RESULTS.md)."""
     tokens = min(_STEP_TOKENS_ONE_ROW if batch == 1 else _STEP_TOKENS,
                  max(1, _LOGITS_PER_STEP // (batch * chunk * q_heads)))
     tokens = 1 << (tokens.bit_length() - 1)
     return max(page, tokens // page * page)
 
 
-def _write(pools: Pools, new: NewKV) -> Pools:
+def _write(pools: KVPool, new: NewKV) -> KVPool:
     k, v = new.k, new.v
     if pools.k_scales is None:
         return pools._replace(k=scatter_rows(pools.k, new.slots, k), v=scatter_rows(pools.v, new.slots, v))
     (kq, ks), (vq, vs) = kv_quant.quantize(k, pools.k.dtype), kv_quant.quantize(v, pools.v.dtype)
-    return Pools(scatter_rows(pools.k, new.slots, kq), scatter_rows(pools.v, new.slots, vq),
-                 scatter_rows(pools.k_scales, new.slots, ks), scatter_rows(pools.v_scales, new.slots, vs))
+    return pools._replace(k=scatter_rows(pools.k, new.slots, kq), v=scatter_rows(pools.v, new.slots, vq),
+                          k_scales=scatter_rows(pools.k_scales, new.slots, ks),
+                          v_scales=scatter_rows(pools.v_scales, new.slots, vs))
 
 
 def scatter_rows(pool: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Array:
@@ -102,7 +96,7 @@ def scatter_rows(pool: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Arra
 
 
 def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype) -> jax.Array:
-    # pages: [B, S] -> [B, S * P, Hkv, D]; a flat index list gathers ~2x faster on XLA's CPU
+    # pages: [B, S] -> [B, S * P, Hkv, D]; a flat index list gathers faster on XLA's CPU
     # backend than a [B, S] index array (whole pages copied as rows)
     flat = pages.reshape(-1)
     x = pool[flat]
@@ -111,7 +105,7 @@ def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype) 
     return x.reshape(pages.shape[0], -1, *x.shape[2:])
 
 
-def _attend(q, pools: Pools, block_tables, kv_lens, scale, step_tokens, new_kv: NewKV | None):
+def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, new_kv: NewKV | None):
     # q: [B, C, Hkv, G, D]; kv_lens: [B, C]
     batch, chunk, num_kv_heads, group, head_dim = q.shape
     page = pools.k.shape[1]
@@ -153,9 +147,9 @@ def _attend(q, pools: Pools, block_tables, kv_lens, scale, step_tokens, new_kv: 
 
 
 @functools.partial(jax.jit, static_argnames=["scale", "step_tokens"])
-def paged_attention(q: jax.Array, pools: Pools, block_tables: jax.Array, kv_lens: jax.Array,
+def paged_attention(q: jax.Array, pools: KVPool, block_tables: jax.Array, kv_lens: jax.Array,
                     new_kv: NewKV | None = None, *, scale: float | None = None,
-                    step_tokens: int | None = None) -> tuple[jax.Array, Pools]:
+                    step_tokens: int | None = None) -> tuple[jax.Array, KVPool]:
     """Attention of C tokens per row over their pages, writing `new_kv` first if given.
 
     Args:
@@ -189,6 +183,6 @@ def paged_attention(q: jax.Array, pools: Pools, block_tables: jax.Array, kv_lens
     return out.reshape(q.shape).astype(q.dtype), pools
 
 
-def write_kv(pools: Pools, new_kv: NewKV) -> Pools:
+def write_kv(pools: KVPool, new_kv: NewKV) -> KVPool:
     """This step's K/V into the pools (quantized when they are), for paths that read them later."""
     return _write(pools, new_kv)

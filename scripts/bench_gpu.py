@@ -13,7 +13,7 @@ or {"section": ..., "ok": false, "error": ...} if it failed or ran past its time
                     read per second and the fraction of the peak (4.8 TB/s on an H200); XLA's time
   attention_score   the cached-query score kernel vs its reference, same shapes as paged_decode
   compact           the compaction kernel vs its reference, bit for bit: every adversarial keep
-                    pattern of tests/compact_cases.py and --seeds random ones, block sizes 16 and
+                    pattern of tests/compress/compact_cases.py and --seeds random ones, block sizes 16 and
                     256, bf16 / f32 / int8 / fp8 K/V with float32 per-token scales
   compaction_time   per layer, pools donated (so in place): the compaction kernel alone and the whole
                     compression step (score, select, compact), Pallas vs XLA, at Qwen3-8B shapes
@@ -46,7 +46,7 @@ import traceback
 import warnings
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(_ROOT, "scripts"), _ROOT, os.path.join(_ROOT, "tests")]
+sys.path[:0] = [os.path.join(_ROOT, "scripts"), _ROOT, os.path.join(_ROOT, "tests", "compress")]
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -295,8 +295,10 @@ def _compaction_time_case(args, block_size: int) -> dict:
     import numpy as np
 
     from pallas_kernels.compact import compact, compact_reference
-    from zipage_jax.compress.policies import POLICIES, compress_rows
-    from zipage_jax.compress.step import LayerPools, compress
+    from pallas_kernels.kv_pool import KVPool
+    from zipage_jax.backend import Backend
+    from zipage_jax.compress.policies import POLICIES, compress_rows, resolve_budget
+    from zipage_jax.compress.step import compress
     from zipage_jax.config import EngineConfig
 
     q_heads, kv_heads, head_dim = next(iter((SMOKE_MODELS if args.smoke else MODELS).values()))
@@ -333,16 +335,17 @@ def _compaction_time_case(args, block_size: int) -> dict:
                                    [k[0].copy(), v[0].copy(), s[0].copy()], iters=args.iters)
         row[f"compact_{name}_ms_per_layer"] = 1e3 * seconds
     engine = EngineConfig(kvcache_block_size=block_size, query_cache_len=16)
-    cfg, policy = engine.compression(), POLICIES[engine.eviction_policy]
-    rows = compress_rows([policy] * batch, [engine.policy_options(policy.name)] * batch, [m * block_size] * batch,
-                         cfg.query_cache_len)
+    cfg, policy = engine.compression, POLICIES[engine.eviction_policy]
+    budget = resolve_budget(policy, policy.options(), m, block_size, engine.query_cache_len)
+    rows = compress_rows([budget] * batch)
     batch_args = (tables, jnp.full((batch,), blocks, jnp.int32), jnp.arange(batch, dtype=jnp.int32),
                   jnp.asarray(rng.random(batch) < 0.5), tables, rows)  # in place: targets = the tables
-    for name in ("pallas-interpret" if args.smoke else "pallas", "xla"):
-        step = jax.jit(functools.partial(compress, cfg=cfg, backend=name), donate_argnames=("layers",))
-        layer_pools = [LayerPools(k[i].copy(), v[i].copy(), s[i].copy()) for i in range(layers)]
+    for backend in (Backend.PALLAS_INTERPRET if args.smoke else Backend.PALLAS, Backend.XLA):
+        step = jax.jit(functools.partial(compress, cfg=cfg, backend=backend), donate_argnames=("layers",))
+        layer_pools = [KVPool(k[i].copy(), v[i].copy(), scores=s[i].copy()) for i in range(layers)]
         seconds, _ = time_threaded(lambda pools, step=step: step(pools, q, *batch_args), layer_pools, iters=args.iters)
-        row[f"compress_step_{name.split('-')[0]}_ms_per_layer"] = 1e3 * seconds / layers
+        name = "xla" if backend is Backend.XLA else "pallas"
+        row[f"compress_step_{name}_ms_per_layer"] = 1e3 * seconds / layers
     return row
 
 
@@ -481,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"section": name, **result}), flush=True)
     report["ok"] = all(r.get("ok", False) for r in report["sections"].values())
     report["seconds"] = time.monotonic() - start
+    from run_info import run_info
+
+    report["run"] = run_info()
     print(json.dumps(report), flush=True)
     return 0 if report["ok"] else 1
 

@@ -1,5 +1,5 @@
 """Long generations on one KV pool: step time, host time and compiles per window of generated
-tokens, with a KV budget and with full KV side by side (issue 15 item 5).
+tokens, with a KV budget and with full KV side by side.
 
     python scripts/bench_long.py [--quick] [--json] [--requests 32] [--max-tokens 4096] [--budget 256]
         [--window 512] [--prompt-len 64 256] [--repetition-penalty 1.1] [engine options, e.g. --kv-cache-dtype int8]
@@ -34,8 +34,8 @@ the warm-up, host time at most 10% of the step.
 The last line of --json is one JSON object: for "compressed" and "full" each
 step_ms_by_window, host_ms_by_window, tokens_per_s_by_window, compiles_by_window,
 first_full_window, compiles_after_warmup, host_share (host time / step time), preemptions and
-totals; then "goals", the pool (blocks, bytes per block), the workload and the machine's load
-average at the start and the end.
+totals; then "goals", the pool (blocks, bytes per block), the workload, the machine's load
+average at the start, and "run" (scripts/run_info.py: commit, date, load average at the end).
 
 The default preset is the mission's workload (32 requests x 4096 tokens: a GPU run; hours on a
 2-core CPU). `--quick` is sized for about 10 minutes on the 2-core CPU with the default model
@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_throughput as bt  # noqa: E402
+from run_info import run_info  # noqa: E402
 
 FLAT_TOLERANCE = 0.10  # the last window's step time within 10% of the first full window's
 HOST_SHARE_GOAL = 0.10
@@ -252,7 +253,7 @@ def run(workload: LongWorkload, model: str = "default", options: dict | None = N
         "workload": asdict(workload),
         "seconds": time.perf_counter() - wall,
         "load_average_start": load_start,
-        "load_average_end": os.getloadavg(),
+        "run": run_info(),  # its load_average is the one at the end
     }
 
 
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("compressed", "full"):
         log(format_windows(name, summary[name], workload.window))
     log(f"goals: {json.dumps(summary['goals'])}; load average {summary['load_average_start'][0]:.2f} -> "
-        f"{summary['load_average_end'][0]:.2f}; {summary['seconds']:.0f}s in all")
+        f"{summary['run']['load_average'][0]:.2f}; {summary['seconds']:.0f}s in all")
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
     return 0
 

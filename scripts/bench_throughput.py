@@ -20,11 +20,11 @@ full KV, then Zipage). Each engine first compiles every program its
 configuration can reach (`LLMEngine.warmup`, untimed); the engine counts its compiles, and
 any compile in the timed run (`compiles_in_timed_run`, 0 after a warm-up) is left out of the
 step times and of the compaction time (`--no-warmup` compiles on first use instead, its time
-left out the same way). Compactions are timed by blocking on each (`profile_compress`), so
+left out the same way). Compactions are timed by blocking on each (the engine option `profile_compaction`), so
 they never overlap the host's work.
 
 Pool sizing is explicit in the output: `pool` gives the KV dtype, bytes per block (K and V of
-every layer, plus the scales of a quantized pool: `LLMEngine.block_bytes`), blocks (the dummy
+every layer, plus the scales of a quantized pool: `LLMEngine.pool.block_bytes`), blocks (the dummy
 block 0 included) and usable bytes. `--kvcache-memory-gb G` sizes the pool in bytes instead of
 blocks, as the engine does (G GiB / bytes per block, plus the dummy block).
 
@@ -34,7 +34,7 @@ scales. Full KV and Zipage then run at both dtypes, all four engines interleaved
 gains "kv_cache_dtype_comparison": per dtype its pool (blocks, bytes per block), tokens/s and
 concurrency (mean / peak running) side by side, and the quantized / default ratios.
 
-The default preset is the 32-request measurement of issue 4 (20-30 minutes on a 2-core CPU,
+The default preset is 32 concurrent long generations (20-30 minutes on a 2-core CPU,
 a few on a GPU); `--quick` is a scaled-down one (6 requests, about 4 minutes on 2 busy cores
 once the persistent compilation cache is warm; the first run on a machine compiles longer). The last line of `--json`
 is one JSON object: throughput_full, throughput_zipage, speedup, compress_time_share, the
@@ -127,7 +127,7 @@ class Pool:
 def block_bytes(loaded, block_size: int, kv_cache_dtype: str, tensor_parallel_size: int = 1) -> tuple[str, int]:
     """(stored dtype, bytes per block) of an engine's pool, as LLMEngine computes them."""
     from pallas_kernels.kv_quant import kv_storage_dtype
-    from zipage_jax.engine.llm_engine import kv_block_bytes
+    from zipage_jax.engine.pool_plan import kv_block_bytes
 
     mc = loaded.config
     dtype = kv_storage_dtype(kv_cache_dtype, loaded.model.dtype)
@@ -148,7 +148,7 @@ def size_pools(workload: Workload, loaded, kv_cache_dtypes: list[str], tensor_pa
 
 
 PRESETS = {
-    # issue 4, item 7: 32 concurrent long generations; full KV holds about 4 of them at once
+    # 32 concurrent long generations; full KV holds about 4 of them at once
     "default": Workload(requests=32, prompt_len_min=32, prompt_len_max=256, max_tokens=512, block_size=16,
                         budget_blocks=4),
     # a few minutes on a 2-core CPU; full KV holds about one request at once
@@ -316,8 +316,8 @@ def summarize(run: TimedRun, warm: dict) -> dict:
         "query_slots": stats.num_query_slots if compressed else None,
         "kv_cache_dtype": config.kv_cache_dtype,
         "pool_blocks": config.num_kvcache_blocks,
-        "block_bytes": engine.block_bytes,
-        "pool_bytes": (config.num_kvcache_blocks - 1) * engine.block_bytes,
+        "block_bytes": engine.pool.block_bytes,
+        "pool_bytes": (config.num_kvcache_blocks - 1) * engine.pool.block_bytes,
     }
 
 
@@ -329,9 +329,8 @@ def bench_modes(loaded, configs: dict, prompts: list[list[int]], max_tokens: int
 
     runs, warm = [], {}
     for name, config in configs.items():
-        engine = LLMEngine(config, loaded=loaded)
+        engine = LLMEngine(replace(config, profile_compaction=True), loaded=loaded)
         warm[name] = warm_up(engine, warmup)
-        engine.runner.profile_compress = True
         runs.append(TimedRun(name, engine, prompts, max_tokens))
     drive(runs, interleave)
     rows = {run.name: summarize(run, warm[run.name]) for run in runs}
@@ -624,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
         f"requests at once")
     if "kv_cache_dtype_comparison" in summary:
         log(format_dtype_comparison(summary["kv_cache_dtype_comparison"]))
+    from run_info import run_info
+
+    summary["run"] = run_info()
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
     return 0
 
@@ -638,6 +640,9 @@ def main_sweep(args, workload: Workload, model: str, options: dict, log) -> int:
                         warmup=args.warmup)
     log(summary["pool_note"])
     log(format_sweep(summary))
+    from run_info import run_info
+
+    summary["run"] = run_info()
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
     return 0
 

@@ -22,12 +22,13 @@ def time_case(batch: int, context: int, steps: list[int], runs: int, heads=(9, 3
     import jax.numpy as jnp
 
     from bench_gpu import decode_inputs
-    from pallas_kernels.xla_attention import Pools, paged_attention, tokens_per_step
+    from pallas_kernels.kv_pool import KVPool
+    from pallas_kernels.xla_attention import paged_attention, tokens_per_step
 
     if -(-context // page) > table_width:
         raise ValueError(f"context {context} needs more pages than the table width {table_width}")
     q, k_pool, v_pool, tables = decode_inputs(0, batch, heads, page, context, jnp.float32)
-    q, pools = q[:, None], Pools(k_pool, v_pool)  # one decode token per row
+    q, pools = q[:, None], KVPool(k_pool, v_pool)  # one decode token per row
     tables = jnp.pad(tables, ((0, 0), (0, table_width - tables.shape[1])))  # padded with the dummy page 0
     lens = jnp.full((batch, 1), context, jnp.int32)
 
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = " ".join(f"{s}{'*' if int(s) == row['default_step'] else ''}: {ms:.3f}" for s, ms in row["ms"].items())
         print(f"batch {batch:3d} context {context:5d}  ms by step  {cells}", file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps({"cases": rows}))
+        from run_info import run_info
+
+        print(json.dumps({"cases": rows, "run": run_info()}))
     return 0
 
 

@@ -386,7 +386,7 @@ def _budget_tokens(fraction: float, context: int, block_size: int, query_cache_l
 def kv_token_bytes(model_config, kv_cache_dtype: str, auto_dtype) -> int:
     """Pool bytes of one token, K and V of every layer, scales included; "auto" stored as `auto_dtype`."""
     from pallas_kernels.kv_quant import kv_storage_dtype
-    from zipage_jax.engine.llm_engine import kv_block_bytes
+    from zipage_jax.engine.pool_plan import kv_block_bytes
 
     mc = model_config
     return kv_block_bytes(mc.num_layers, 1, mc.num_kv_heads, mc.head_dim, kv_storage_dtype(kv_cache_dtype, auto_dtype))
@@ -698,7 +698,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.markdown:
         Path(args.markdown).write_text(table)
     if args.json:
-        print(json.dumps({"results": rows, "workloads": workloads}))
+        from run_info import run_info
+
+        print(json.dumps({"results": rows, "workloads": workloads, "run": run_info()}))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ _PUBLIC = {
     "generate": "zipage_jax.llm",
     "SamplingParams": "zipage_jax.sampling_params",
     "EngineConfig": "zipage_jax.config",
-    "CompressionConfig": "zipage_jax.config",
+    "CompressionConfig": "zipage_jax.compress.config",
 }
 
 __all__ = list(_PUBLIC)

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import typing
 
-from zipage_jax.config import EngineConfig
+from zipage_jax.config import option_fields
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One --flag per EngineConfig field (--max-cache-blocks-per-seq, --kvcache-block-size, ...)."""
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
+    """One --flag per engine option (--max-cache-blocks-per-seq, --kvcache-block-size, ...)."""
+    for name, kind in option_fields():
+        flag = "--" + name.replace("_", "-")
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
-            parser.add_argument(flag, type=_parser_for(kind), default=None, metavar=f.name.upper())
+            parser.add_argument(flag, type=_parser_for(kind), default=None, metavar=name.upper())
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,9 +34,8 @@ def start_distributed(args: argparse.Namespace) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The flags that were given, as EngineConfig keyword arguments."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-            if getattr(args, f.name, None) is not None}
+    """The flags that were given, as `EngineConfig.from_options` keyword arguments."""
+    return {name: getattr(args, name) for name, _ in option_fields() if getattr(args, name, None) is not None}
 
 
 def _parser_for(kind):

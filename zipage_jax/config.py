@@ -1,38 +1,22 @@
-"""Engine options, with vLLM / Zipage names, validated once at construction."""
+"""Engine options, with vLLM / Zipage names, validated once at construction and never changed.
+
+The scoring options are a `CompressionConfig` (zipage_jax/compress/config.py) held as the field
+`compression`; `from_options` (what LLM(...), the CLI and the server use) takes them flat, by
+their own names, beside the engine's.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES
-from zipage_jax.compress.policies import DEFAULT_POLICY, POLICIES, PolicyOptions, get_policy
-
-Redundancy = Literal["none", "lightning", "raw"]
-
+from zipage_jax.compress.config import CompressionConfig
+from zipage_jax.compress.policies import DEFAULT_POLICY, get_policy
 
 @dataclass(frozen=True)
-class CompressionConfig:
-    """The engine-wide scoring options (docs/ALGORITHM.md sections 4-5), a static argument of the
-    jitted compression step. Built only by `EngineConfig.compression()`, so the defaults live in
-    one place; a sequence's budget and policy are per-row values, not part of it."""
-
-    block_size: int
-    query_cache_len: int
-    use_global_score: bool
-    decay_factor: float
-    max_norm: bool
-    enable_pooling: bool
-    continues_pooling: bool
-    pooling_size: int
-    redundancy: Redundancy
-    redundancy_lambda: float
-    redundancy_temperature: float
-    redundancy_threshold: float
-
-
-@dataclass
 class EngineConfig:
     model: str = "default"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
@@ -50,21 +34,12 @@ class EngineConfig:
     # compression (None = full KV)
     max_cache_blocks_per_seq: int | None = None
     query_cache_len: int = 16
-    use_global_score: bool = True  # accumulated attention with decay (+0.010 text ppl_ratio for "window" at 1/8)
-    decay_factor: float = 0.8
-    max_norm: bool = False
-    enable_pooling: bool = False
-    continues_pooling: bool = False
-    pooling_size: int = 5
-    redundancy: Redundancy = "none"
-    redundancy_lambda: float = 0.2
-    redundancy_temperature: float = 0.4
-    redundancy_threshold: float = 0.5
+    compression: CompressionConfig = field(default_factory=CompressionConfig)  # scoring options
     eviction_policy: str = DEFAULT_POLICY  # compress/policies.py; SamplingParams.eviction_policy overrides it
     sink_len: int | None = None  # protected first tokens; None: each policy's own (zipage 0, others 4)
     recent_fraction: float | None = None  # window policies: share of the budget kept as the most recent tokens
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "fp8" (e4m3): per-token scales
-    enable_async_compress: bool = True
+    profile_compaction: bool = False  # time each compaction alone (it then blocks on the device)
     enable_hybrid_engine: bool = True
     max_compress_seqs: int = 8  # sequences compacted in one step
     tensor_parallel_size: int = 1
@@ -92,18 +67,8 @@ class EngineConfig:
             _positive("max_cache_blocks_per_seq", self.max_cache_blocks_per_seq)
         if not 1 <= self.query_cache_len <= bs:
             raise ValueError(f"query_cache_len must be in [1, kvcache_block_size={bs}], got {self.query_cache_len}")
-        if self.pooling_size < 1 or self.pooling_size % 2 == 0:
-            raise ValueError(f"pooling_size must be a positive odd number, got {self.pooling_size}")
-        if self.redundancy not in ("none", "lightning", "raw"):
-            raise ValueError(f"redundancy must be none, lightning or raw, got {self.redundancy!r}")
-        if not 0.0 <= self.redundancy_lambda <= 1.0:
-            raise ValueError(f"redundancy_lambda must be in [0, 1], got {self.redundancy_lambda}")
-        if self.redundancy_temperature <= 0:
-            raise ValueError(f"redundancy_temperature must be > 0, got {self.redundancy_temperature}")
-        if not 0.0 < self.decay_factor <= 1.0:
-            raise ValueError(f"decay_factor must be in (0, 1], got {self.decay_factor}")
-        if not 0.0 <= self.redundancy_threshold <= 1.0:
-            raise ValueError(f"redundancy_threshold must be in [0, 1], got {self.redundancy_threshold}")
+        if not isinstance(self.compression, CompressionConfig):
+            raise ValueError(f"compression must be a CompressionConfig, got {type(self.compression).__name__}")
         get_policy(self.eviction_policy)
         if self.sink_len is not None and (not isinstance(self.sink_len, int) or self.sink_len < 0):
             raise ValueError(f"sink_len must be an integer >= 0, got {self.sink_len!r}")
@@ -119,10 +84,16 @@ class EngineConfig:
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
+        """The config from flat options: the engine's fields and CompressionConfig's, by name."""
+        scoring_names = {f.name for f in dataclasses.fields(CompressionConfig)}
+        unknown = sorted(set(options) - {name for name, _ in option_fields()} - {"compression"})
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
+        scoring = {k: options.pop(k) for k in list(options) if k in scoring_names}
+        if scoring:
+            if "compression" in options:
+                raise ValueError("give the scoring options either flat or as compression=, not both")
+            options["compression"] = CompressionConfig(**scoring)
         return cls(**options)
 
     @property
@@ -130,15 +101,13 @@ class EngineConfig:
         """Tokens per prefill row: prefill_row_size, or less when a step holds fewer tokens."""
         return min(self.prefill_row_size, 1 << (self.max_num_batched_tokens.bit_length() - 1))
 
-    def compression(self) -> CompressionConfig:
-        """The engine-wide scoring options: every CompressionConfig field but the block size
-        is the engine option of the same name."""
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(CompressionConfig) if f.name != "block_size"}
-        return CompressionConfig(block_size=self.kvcache_block_size, **shared)
 
-    def policy_options(self, policy: str) -> PolicyOptions:
-        """A policy's options with this engine's sink_len / recent_fraction overrides."""
-        return POLICIES[policy].options(self.sink_len, self.recent_fraction)
+def option_fields() -> list[tuple[str, object]]:
+    """(name, type) of every flat option `from_options` takes: the engine's, then the scoring ones."""
+    engine = typing.get_type_hints(EngineConfig)
+    scoring = typing.get_type_hints(CompressionConfig)
+    return ([(f.name, engine[f.name]) for f in dataclasses.fields(EngineConfig) if f.name != "compression"]
+            + [(f.name, scoring[f.name]) for f in dataclasses.fields(CompressionConfig)])
 
 
 def _positive(name: str, value: int) -> None:

@@ -11,10 +11,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zipage_jax.compress.policies import get_policy
+from zipage_jax.compress.policies import POLICIES, get_policy
+from zipage_jax.layers.sampler import MAX_LOGPROBS
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
-MAX_LOGPROBS = 20
+EVICTION_POLICIES = tuple(POLICIES)  # the names eviction_policy takes
 MAX_N = 128  # completions per request (OpenAI's limit); engines and servers may allow fewer
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_CHARS = 256  # characters per stop string (the stop checker scans the text tail per token)

@@ -10,6 +10,9 @@ tokens and the `recent` last ones are protected (+inf), the rest of the budget g
 scored tokens. With `recent_fraction = 0` the recent window is the query tail (the last
 `query_cache_len` positions), which is the reference's rule.
 
+A request's policy, options and budget are resolved once, when it is admitted, into a
+`KVBudget` carried by each of its sequences: the scheduler and the runner only read it.
+
 - "zipage": the reference (Zipage, arXiv 2603.08743), golden-checked: the attention of the
   cached queries, then the engine's global score, pooling and redundancy stages; sinks only
   when `sink_len` asks for them.
@@ -19,8 +22,7 @@ scored tokens. With `recent_fraction = 0` the recent window is the query tail (t
   window. H2O (Zhang et al., NeurIPS 2023) splits its budget between heavy hitters and recent
   tokens, SnapKV (Li et al., 2024) keeps its observation window; 16 cached queries estimate
   long-range importance noisily, so a fixed share of the budget goes to the recent past, which
-  the next tokens depend on most. 0.75 was the best of 0.25 / 0.5 / 0.75 on the dev texts
-  (docs/RESULTS.md); held-out prose prefers less recency.
+  the next tokens depend on most. The share was chosen on the dev texts (docs/RESULTS.md).
 - "vnorm-window": "window" with each token's attention score multiplied by the L2 norm of its
   value (VATP: Guo et al., EMNLP 2024): a token adds attention * value to the output, so a
   heavily attended token with a small value (sinks, punctuation) matters less. The default.
@@ -89,6 +91,29 @@ def num_recent(options: PolicyOptions, budget_tokens: int, query_cache_len: int)
     return max(query_cache_len, int(options.recent_fraction * budget_tokens))
 
 
+@dataclass(frozen=True)
+class KVBudget:
+    """What one sequence keeps when it compresses, resolved at admission (`resolve_budget`)."""
+
+    policy: Policy
+    blocks: int  # M: the sequence compresses when it fills block M + 1
+    tokens: int  # M * block size: tokens kept per (layer, kv head)
+    sinks: int  # first positions protected
+    recent: int  # last positions protected
+
+
+def resolve_budget(policy: Policy, options: PolicyOptions, blocks: int, block_size: int,
+                   query_cache_len: int) -> KVBudget:
+    """The budget of `blocks` blocks under `policy`; ValueError when it cannot hold what the
+    policy protects (sinks and recent window)."""
+    tokens = blocks * block_size
+    recent = num_recent(options, tokens, query_cache_len)
+    if tokens < options.sinks + recent:
+        raise ValueError(f"kv_budget of {tokens} tokens cannot hold the {options.sinks + recent} tokens policy "
+                         f"{policy.name!r} protects (sinks and recent window)")
+    return KVBudget(policy, blocks, tokens, options.sinks, recent)
+
+
 class CompressRows(NamedTuple):
     """Per sequence of a compression batch, what its policy and budget ask for ([B] arrays)."""
 
@@ -98,15 +123,12 @@ class CompressRows(NamedTuple):
     score: np.ndarray  # int32 Score
 
 
-def compress_rows(policies: list[Policy], options: list[PolicyOptions], budgets: list[int],
-                  query_cache_len: int, batch_size: int | None = None) -> CompressRows:
-    """Host arrays for a compression batch, padded to `batch_size` rows (padding keeps nothing)."""
-    n = len(policies)
-    size = batch_size or n
-    rows = CompressRows(*(np.zeros(size, np.int32) for _ in range(4)))
-    for i, (policy, opts, budget) in enumerate(zip(policies, options, budgets)):
-        rows.budget[i] = budget
-        rows.sinks[i] = opts.sinks
-        rows.recent[i] = num_recent(opts, budget, query_cache_len)
-        rows.score[i] = policy.score
+def compress_rows(budgets: list[KVBudget | None], batch_size: int | None = None) -> CompressRows:
+    """Host arrays for a compression batch, padded to `batch_size` rows; padding rows (and None)
+    keep nothing."""
+    rows = CompressRows(*(np.zeros(batch_size or len(budgets), np.int32) for _ in range(4)))
+    for i, budget in enumerate(budgets):
+        if budget is not None:
+            rows.budget[i], rows.sinks[i], rows.recent[i] = budget.tokens, budget.sinks, budget.recent
+            rows.score[i] = budget.policy.score
     return rows

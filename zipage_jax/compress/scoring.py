@@ -16,10 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.attention_score import attention_score, attention_score_reference
+from zipage_jax.backend import Backend
+from zipage_jax.compress.config import CompressionConfig
 from zipage_jax.compress.policies import CompressRows, Score
-from zipage_jax.config import CompressionConfig
-
-BACKENDS = ("xla", "pallas", "pallas-interpret")
 
 
 class ScoreStages(NamedTuple):
@@ -43,7 +42,7 @@ def score_layer(
     score_cache: jax.Array | None,
     rows: CompressRows,
     cfg: CompressionConfig,
-    backend: str = "xla",
+    backend: Backend = Backend.XLA,
     cache_tables: jax.Array | None = None,
 ) -> tuple[ScoreStages, jax.Array | None]:
     """Scores one layer's tokens and picks the kept ones.
@@ -63,18 +62,17 @@ def score_layer(
       (stages, score_cache): the score cache with the new global score written into every
       valid block of every sequence (compaction then moves it with the tokens).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    width = block_tables.shape[1]
-    valid = _valid(num_blocks, width, cfg.block_size)
+    backend = Backend.parse(backend)
+    width, block_size = block_tables.shape[1], k_pool.shape[1]
+    valid = _valid(num_blocks, width, block_size)
     by_position = rows.score == Score.POSITION  # [B]
 
     def attention():
-        if backend == "xla":
+        if not backend.uses_pallas:
             return attention_score_reference(k_pool, queries, block_tables, num_blocks)
-        return attention_score(k_pool, queries, block_tables, num_blocks, interpret=backend == "pallas-interpret")
+        return attention_score(k_pool, queries, block_tables, num_blocks, interpret=backend.interpret)
 
-    shape = (block_tables.shape[0], k_pool.shape[2], width, cfg.block_size)
+    shape = (block_tables.shape[0], k_pool.shape[2], width, block_size)
     attn = lax.cond(jnp.all(by_position), lambda: jnp.zeros(shape, jnp.float32), attention)
     weighted = rows.score == Score.VALUE_NORM
     scores = lax.cond(jnp.any(weighted), lambda: jnp.where(
@@ -91,7 +89,7 @@ def score_layer(
         if cfg.use_global_score and cfg.max_norm:
             red = _max_normed(red)
         scores = scores * cfg.redundancy_lambda - red * (1 - cfg.redundancy_lambda)
-    pos = jnp.arange(width * cfg.block_size, dtype=jnp.float32).reshape(width, cfg.block_size)
+    pos = jnp.arange(width * block_size, dtype=jnp.float32).reshape(width, block_size)
     scores = jnp.where(by_position[:, None, None, None], pos, scores)  # later = higher
     final = protect_and_mask(scores, valid, num_blocks, rows)
     keep = top_k_keep(final, valid, rows.budget)
@@ -166,7 +164,7 @@ def redundancy(
     logits. "lightning": keys of the same block only, logits / (temperature * BS); "raw":
     the whole sequence, logits / (temperature * T_valid).
     """
-    width, block_size = block_tables.shape[1], cfg.block_size
+    width, block_size = block_tables.shape[1], k_pool.shape[1]
     keys = k_pool[block_tables].astype(jnp.float32)  # [B, W, BS, Hkv, D]
     norm = jnp.sqrt((keys * keys).sum(axis=-1, keepdims=True))
     keys = (keys / jnp.maximum(norm, 1e-6)).transpose(0, 3, 1, 2, 4)  # [B, Hkv, W, BS, D]

@@ -16,31 +16,21 @@ dequantized keys), and the per-token scales move with their tokens.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_quant
 from pallas_kernels.compact import compact as compact_pallas
 from pallas_kernels.compact import compact_reference
+from pallas_kernels.kv_pool import KVPool
+from zipage_jax.backend import Backend
+from zipage_jax.compress.config import CompressionConfig
 from zipage_jax.compress.policies import CompressRows
-from zipage_jax.compress.scoring import BACKENDS, ScoreStages, score_layer
-from zipage_jax.config import CompressionConfig
-
-
-class LayerPools(NamedTuple):
-    """One layer's per-token arrays, all [NB, BS, Hkv, ...]: compaction moves them together."""
-
-    k: jax.Array  # [NB, BS, Hkv, D]
-    v: jax.Array  # [NB, BS, Hkv, D]
-    scores: jax.Array | None = None  # [NB, BS, Hkv] f32 global score
-    k_scales: jax.Array | None = None  # [NB, BS, Hkv] f32 (quantized pools)
-    v_scales: jax.Array | None = None
+from zipage_jax.compress.scoring import ScoreStages, score_layer
 
 
 def compress_layer(
-    pools: LayerPools,
+    pools: KVPool,
     query_cache: jax.Array,
     block_tables: jax.Array,
     num_blocks: jax.Array,
@@ -49,12 +39,13 @@ def compress_layer(
     target_tables: jax.Array,
     rows: CompressRows,
     cfg: CompressionConfig,
-    backend: str = "xla",
-) -> tuple[LayerPools, ScoreStages]:
+    backend: Backend = Backend.XLA,
+) -> tuple[KVPool, ScoreStages]:
     """Compresses one layer; arguments as `compress` with one layer's arrays.
 
     Returns (pools, stages): the stages are for inspection only.
     """
+    backend = Backend.parse(backend)
     queries = query_cache[query_ids]  # [B, QL, Hq, D]
     k_scored, v_scored, tables = _scored_tokens(pools, block_tables, queries.dtype)
     stages, score_cache = score_layer(k_scored, v_scored, queries, tables, num_blocks, compressed, pools.scores,
@@ -62,17 +53,17 @@ def compress_layer(
     pools = pools._replace(scores=score_cache)
     present = [i for i, a in enumerate(pools) if a is not None]
     args = ([pools[i] for i in present], stages.keep, block_tables, target_tables)
-    if backend == "xla":
-        moved = compact_reference(*args)
+    if backend.uses_pallas:
+        moved = compact_pallas(*args, interpret=backend.interpret)
     else:
-        moved = compact_pallas(*args, interpret=backend == "pallas-interpret")
+        moved = compact_reference(*args)
     out = list(pools)
     for i, a in zip(present, moved):
         out[i] = a
-    return LayerPools(*out), stages
+    return KVPool(*out), stages
 
 
-def _scored_tokens(pools: LayerPools, block_tables: jax.Array, dtype):
+def _scored_tokens(pools: KVPool, block_tables: jax.Array, dtype):
     """The keys and values scoring reads: the pools themselves, or (quantized) the sequences'
     blocks gathered and dequantized, with tables into that gathered copy."""
     if pools.k_scales is None:
@@ -88,7 +79,7 @@ def _scored_tokens(pools: LayerPools, block_tables: jax.Array, dtype):
 
 
 def compress(
-    layers: list[LayerPools],
+    layers: list[KVPool],
     query_caches: list[jax.Array],
     block_tables: jax.Array,
     num_blocks: jax.Array,
@@ -97,8 +88,8 @@ def compress(
     target_tables: jax.Array,
     rows: CompressRows,
     cfg: CompressionConfig,
-    backend: str = "xla",
-) -> list[LayerPools]:
+    backend: Backend = Backend.XLA,
+) -> list[KVPool]:
     """Compresses a batch of sequences in every layer (call under jax.jit, pools donated).
 
     Args:
@@ -110,34 +101,26 @@ def compress(
       compressed: [B] bool, the sequence was compressed before.
       target_tables: [B, W] int32 where the kept tokens go (the first budget / BS blocks are filled).
       rows: each row's budget (tokens), protected sinks and recent tokens, and score (policy).
-      cfg: static scoring options; backend: "xla", "pallas" or "pallas-interpret".
+      cfg: static scoring options; backend: the kernels' implementation.
 
     Returns:
       The layers' pools after compaction (see the module docstring).
     """
-    _check(layers, query_caches, block_tables, num_blocks, query_ids, compressed, target_tables, rows, cfg,
-           backend)
+    backend = Backend.parse(backend)
+    _check(layers, query_caches, block_tables, num_blocks, query_ids, compressed, target_tables, rows, cfg)
     return [compress_layer(pools, query_cache, block_tables, num_blocks, query_ids, compressed, target_tables,
                            rows, cfg, backend)[0]
             for pools, query_cache in zip(layers, query_caches)]
 
 
 def _check(layers, query_caches, block_tables, num_blocks, query_ids, compressed, target_tables, rows,
-           cfg: CompressionConfig, backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+           cfg: CompressionConfig) -> None:
     if not layers:
         raise ValueError("need at least one layer")
     if len(query_caches) != len(layers):
         raise ValueError(f"need one query cache per layer, got {len(query_caches)} for {len(layers)} layers")
     if cfg.use_global_score and layers[0].scores is None:
         raise ValueError("use_global_score needs a score cache in every layer")
-    block_size = layers[0].k.shape[1]
-    if block_size != cfg.block_size:
-        raise ValueError(f"pool block size {block_size} != cfg.block_size {cfg.block_size}")
-    if query_caches[0].shape[1] != cfg.query_cache_len:
-        raise ValueError(f"query cache length {query_caches[0].shape[1]} "
-                         f"!= cfg.query_cache_len {cfg.query_cache_len}")
     batch = block_tables.shape[0]
     for name, x in (("num_blocks", num_blocks), ("query_ids", query_ids), ("compressed", compressed),
                     *((f"rows.{f}", getattr(rows, f)) for f in rows._fields)):

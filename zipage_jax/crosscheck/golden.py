@@ -8,6 +8,7 @@ keep flags equal except at ties of the k-th score, compacted pools identical to 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,9 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.compact import compact, compact_reference
-from zipage_jax.compress.policies import POLICIES, CompressRows, PolicyOptions, compress_rows
-from zipage_jax.compress.step import LayerPools, compress_layer
-from zipage_jax.config import CompressionConfig
+from pallas_kernels.kv_pool import KVPool
+from zipage_jax.backend import Backend
+from zipage_jax.compress.config import CompressionConfig
+from zipage_jax.compress.policies import POLICIES, CompressRows, PolicyOptions, compress_rows, resolve_budget
+from zipage_jax.compress.step import compress_layer
 
 SCORE_TOL = 1e-5
 STAGES = {  # golden array -> ScoreStages field
@@ -28,13 +31,14 @@ STAGES = {  # golden array -> ScoreStages field
     "redundancy": "redundancy",
     "final_score": "final",
 }
+_REFERENCE_NAMES = {"enable_pooling": "pooling"}  # CompressionConfig field -> the golden config's key
 
 _compress_layer = jax.jit(compress_layer, static_argnames=("cfg", "backend"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", type=Path, help="golden .npz files")
-    parser.add_argument("--backend", choices=("xla", "pallas-interpret", "pallas"), default="xla")
+    parser.add_argument("--backend", choices=[b.value for b in Backend], default=Backend.XLA.value)
     parser.add_argument("--json", action="store_true", help="one JSON object per file")
 
 
@@ -52,20 +56,8 @@ def load_case(path: Path) -> tuple[dict[str, np.ndarray], CompressionConfig, np.
     and the rows: every sequence scored by the reference policy at the case's budget."""
     z = dict(np.load(path))
     case = json.loads(str(z["config"]))
-    cfg = CompressionConfig(
-        block_size=case["block_size"],
-        query_cache_len=case["query_cache_len"],
-        use_global_score=case["use_global_score"],
-        decay_factor=case["decay_factor"],
-        max_norm=case["max_norm"],
-        enable_pooling=case["pooling"],
-        continues_pooling=case["continues_pooling"],
-        pooling_size=case["pooling_size"],
-        redundancy=case["redundancy"],
-        redundancy_lambda=case["redundancy_lambda"],
-        redundancy_temperature=case["redundancy_temperature"],
-        redundancy_threshold=case["redundancy_threshold"],
-    )
+    cfg = CompressionConfig(**{f.name: case[_REFERENCE_NAMES.get(f.name, f.name)]
+                               for f in dataclasses.fields(CompressionConfig)})
     budget = (case["max_blocks_per_seq"] - 1) * case["block_size"]
     if budget != case["budget_tokens"]:
         raise ValueError(f"{path}: budget_tokens {case['budget_tokens']} "
@@ -78,8 +70,9 @@ def load_case(path: Path) -> tuple[dict[str, np.ndarray], CompressionConfig, np.
         raise ValueError(f"{path}: -1 padding must come after the valid blocks")
     batch = len(tables)
     options = PolicyOptions(sinks=case["sink_len"], recent_fraction=0.0)
-    rows = compress_rows([POLICIES["zipage"]] * batch, [options] * batch,
-                         [budget if n else 0 for n in num_blocks], cfg.query_cache_len)
+    kv_budget = resolve_budget(POLICIES["zipage"], options, case["max_blocks_per_seq"] - 1, case["block_size"],
+                               case["query_cache_len"])
+    rows = compress_rows([kv_budget if n else None for n in num_blocks], batch)
     return z, cfg, np.where(tables == -1, 0, tables).astype(np.int32), num_blocks, rows
 
 
@@ -92,8 +85,10 @@ def _targets(z: dict, width: int) -> np.ndarray:
     return targets
 
 
-def check_file(path: Path, backend: str) -> dict:
+def check_file(path: Path, backend: Backend | str) -> dict:
+    backend = Backend.parse(backend)
     z, cfg, tables, num_blocks, rows = load_case(path)
+    block_size = z["k_cache_in"].shape[2]  # [L, NB, BS, Hkv, D]
     budget_tokens = int(rows.budget.max())
     num_layers = z["k_cache_in"].shape[0]
     has_scores = "score_cache_out" in z
@@ -105,9 +100,10 @@ def check_file(path: Path, backend: str) -> dict:
         target_tables=jnp.asarray(_targets(z, tables.shape[1])), rows=rows, cfg=cfg, backend=backend,
     )
     for layer in range(num_layers):
-        pools = LayerPools(jnp.asarray(z["k_cache_in"][layer]), jnp.asarray(z["v_cache_in"][layer]),
-                           jnp.asarray(z["score_cache_in"][layer]) if cfg.use_global_score else None)
-        (k, v, s, _, _), stages = _compress_layer(pools, jnp.asarray(z["query_cache"][layer]), **common)
+        pools = KVPool(jnp.asarray(z["k_cache_in"][layer]), jnp.asarray(z["v_cache_in"][layer]),
+                       scores=jnp.asarray(z["score_cache_in"][layer]) if cfg.use_global_score else None)
+        out, stages = _compress_layer(pools, jnp.asarray(z["query_cache"][layer]), **common)
+        k, v, s = out.k, out.v, out.scores
         for name, field in STAGES.items():
             value = getattr(stages, field)
             ours[name].append(None if value is None else np.asarray(value))
@@ -115,12 +111,12 @@ def check_file(path: Path, backend: str) -> dict:
         ours["k_cache_out"].append(np.asarray(k))
         ours["v_cache_out"].append(np.asarray(v))
         ours["score_cache_out"].append(None if s is None else np.asarray(s))
-        k, v, s = compact_on_reference_keep(z, layer, cfg, tables, budget_tokens // cfg.block_size, backend)
+        k, v, s = compact_on_reference_keep(z, layer, cfg, tables, budget_tokens // block_size, backend)
         given_keep["k_cache_out"].append(np.asarray(k))
         given_keep["v_cache_out"].append(np.asarray(v))
         given_keep["score_cache_out"].append(None if s is None else np.asarray(s))
 
-    report: dict = {"file": str(path), "backend": backend, "stages": {}}
+    report: dict = {"file": str(path), "backend": backend.value, "stages": {}}
     ok = True
     for name, field in STAGES.items():
         if name not in z:
@@ -157,7 +153,7 @@ def check_file(path: Path, backend: str) -> dict:
 
 
 def compact_on_reference_keep(z: dict, layer: int, cfg: CompressionConfig, tables: np.ndarray, budget_blocks: int,
-                              backend: str) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+                              backend: Backend) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """Compaction alone, on the reference's keep flags (and its global score when enabled)."""
     score_cache = None
     if cfg.use_global_score:  # the reference writes the global score back before compacting
@@ -170,8 +166,7 @@ def compact_on_reference_keep(z: dict, layer: int, cfg: CompressionConfig, table
     pools += [] if score_cache is None else [score_cache]
     args = (pools, jnp.asarray(z["keep"][layer]), jnp.asarray(tables),
             jnp.asarray(z["target_block_tables"][:, :budget_blocks], jnp.int32))
-    out = compact_reference(*args) if backend == "xla" else compact(
-        *args, interpret=backend == "pallas-interpret")
+    out = compact(*args, interpret=backend.interpret) if backend.uses_pallas else compact_reference(*args)
     return out[0], out[1], (out[2] if score_cache is not None else None)
 
 

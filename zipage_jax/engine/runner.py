@@ -26,11 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import kv_quant
-from zipage_jax.compress.policies import POLICIES, compress_rows
-from zipage_jax.compress.step import LayerPools, compress
-from zipage_jax.config import CompressionConfig, EngineConfig
+from pallas_kernels.tiling import next_power_of_two
+from zipage_jax.backend import Backend
+from zipage_jax.compress.config import CompressionConfig
+from zipage_jax.compress.policies import compress_rows
+from zipage_jax.compress.step import compress
+from zipage_jax.config import EngineConfig
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, CompressionPlan
+from zipage_jax.engine.pool_plan import KVPoolPlan
 from zipage_jax.engine.sampling_batch import SamplingArrays, SamplingRow
 from zipage_jax.engine.scheduler import Chunk
 from zipage_jax.engine.sequence import Sequence, query_tail_start
@@ -40,7 +43,7 @@ from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn, us
 from zipage_jax.layers.sampler import SamplerOutput, SamplerState, SamplingBatch, record_inputs, sample
 from zipage_jax.models.decoder import DecoderFns, split
 from zipage_jax.models.loading import LoadedModel
-from zipage_jax.sampling_params import MAX_STOP_TOKEN_IDS
+from zipage_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
 logger = logging.getLogger("zipage_jax")
 
@@ -49,8 +52,7 @@ _MIN_HISTORY = 64  # tokens of the smallest history-seeding bucket
 
 def bucket(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum)
-    return 1 << (n - 1).bit_length()
+    return next_power_of_two(max(n, minimum))
 
 
 def buckets(limit: int, minimum: int = 1) -> list[int]:
@@ -68,9 +70,9 @@ class DeviceState(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("fns", "params_def", "backend", "tp"), donate_argnames=("state",))
 def _forward_and_sample(param_leaves: list[jax.Array], state: DeviceState, inputs: StepInputs,
-                        sampling: SamplingBatch, *, fns: DecoderFns, params_def, backend: str,
+                        sampling: SamplingBatch, *, fns: DecoderFns, params_def, backend: Backend,
                         tp: TensorParallel | None) -> tuple[DeviceState, SamplerOutput]:
-    # params travel as a flat list: flattening the nnx.State on every call costs ~1 ms of host time
+    # params travel as a flat list: flattening the nnx.State on every call costs host time
     params = jax.tree.unflatten(params_def, param_leaves)
     last_sampled = state.sampler.last_token[sampling.slot][:, None]  # [R, 1]
     tokens = jnp.where(inputs.tokens >= 0, inputs.tokens, last_sampled)  # [R, C]
@@ -85,22 +87,17 @@ def _forward_and_sample(param_leaves: list[jax.Array], state: DeviceState, input
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("state",))
 def _compress(state: DeviceState, block_tables, num_blocks, query_ids, compressed, target_tables, rows, *,
-              cfg: CompressionConfig, backend: str, tp: TensorParallel | None) -> DeviceState:
+              cfg: CompressionConfig, backend: Backend, tp: TensorParallel | None) -> DeviceState:
     def step(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows) -> KVState:
         queries = list(kv.queries)
         if tp is not None:
             queries, query_ids = tp.group_queries(queries, query_ids)
-        layers = [LayerPools(*(None if field is None else field[i] for field in
-                               (kv.k, kv.v, kv.scores, kv.k_scales, kv.v_scales))) for i in range(len(kv.k))]
-        layers = compress(layers, queries, block_tables, num_blocks, query_ids, compressed, target_tables, rows,
-                          cfg, backend)
-        per_field = {name: None if getattr(kv, name) is None else tuple(getattr(p, field) for p in layers)
-                     for name, field in (("k", "k"), ("v", "v"), ("scores", "scores"), ("k_scales", "k_scales"),
-                                         ("v_scales", "v_scales"))}
-        return kv._replace(**per_field)
+        pools = compress(list(kv.pools), queries, block_tables, num_blocks, query_ids, compressed, target_tables,
+                         rows, cfg, backend)
+        return kv._replace(pools=tuple(pools))
 
     if tp is not None:  # each shard compresses its own kv heads
-        step = tp.per_shard_kv(step, state.kv, num_replicated=6)
+        step = tp.per_shard_kv(step, state.kv)
     kv = step(state.kv, block_tables, num_blocks, query_ids, compressed, target_tables, rows)
     return state._replace(kv=kv)
 
@@ -169,47 +166,44 @@ class RowFailure:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, num_blocks: int, num_query_slots: int,
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, pool: KVPoolPlan, *,
                  eos_token_ids: tuple[int, ...] = ()):
-        self.config = config
+        self.config, self.pool = config, pool
         loaded, self.tp = shard_model(loaded, config.tensor_parallel_size)
         self.model_config = mc = loaded.config
         self.fns, params = split(loaded.model)
         if self.tp is not None:
             params = self.tp.place_params(params)
         self.param_leaves, self.params_def = jax.tree.flatten(params)
-        self.block_size = bs = config.kvcache_block_size
+        self.block_size = bs = pool.block_size
         self.query_cache_len = config.query_cache_len
-        self.num_query_slots = num_query_slots
+        self.num_query_slots = pool.num_query_slots
         self.row_size = config.row_size
         self.vocab_size = mc.vocab_size
-        self.backend = config.attention_backend
-        if self.backend == "auto":
-            self.backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-        self.max_blocks = -(-config.max_model_len // bs)  # blocks a sequence can hold
+        self.backend = Backend.resolve(config.attention_backend, jax.default_backend())
+        self.max_blocks = -(-pool.max_model_len // bs)  # blocks a sequence can hold
         self.page = xla_page_size(bs)
+        self.eos_token_ids = eos_token_ids
         self.suppress_width = bucket(MAX_STOP_TOKEN_IDS + len(eos_token_ids))
         self.pad_slot = config.max_num_seqs  # the sampler state's padding row
-        kv_dtype = kv_quant.kv_storage_dtype(config.kv_cache_dtype, loaded.model.dtype)
         make_kv = functools.partial(
-            KVState.zeros, num_layers=mc.num_layers, num_blocks=num_blocks, block_size=bs,
+            KVState.zeros, num_layers=mc.num_layers, num_blocks=pool.num_blocks, block_size=bs,
             num_kv_heads=mc.num_kv_heads, num_heads=mc.num_heads, head_dim=mc.head_dim,
-            num_query_slots=num_query_slots, query_cache_len=self.query_cache_len, dtype=loaded.model.dtype,
-            kv_dtype=kv_dtype, global_score=config.use_global_score)
+            num_query_slots=pool.num_query_slots, query_cache_len=self.query_cache_len, dtype=loaded.model.dtype,
+            kv_dtype=pool.kv_dtype, global_score=config.compression.use_global_score)
         make_sampler = functools.partial(SamplerState.zeros, config.max_num_seqs, mc.vocab_size)
         if self.tp is None:  # committed to the device, so the first call compiles once, not twice
             device = jax.devices()[0]
             self.state = jax.device_put(DeviceState(make_kv(), make_sampler()), device)
         else:
             self.state = DeviceState(self.tp.make_kv(make_kv), self.tp.replicate(make_sampler()))
-        self.compression = config.compression()
+        self.compression = config.compression
         self.forward = CompiledSteps("forward", _forward_and_sample, fns=self.fns, params_def=self.params_def,
                                      backend=self.backend, tp=self.tp)
         self.compressor = CompiledSteps("compression", _compress, cfg=self.compression, backend=self.backend,
                                         tp=self.tp)
         self.seeder = CompiledSteps("history", _seed_history)
-        self.compress_seconds = 0.0  # only measured when compaction is synchronous
-        self.profile_compress = not config.enable_async_compress
+        self.compress_seconds = 0.0  # measured with config.profile_compaction only
 
     @property
     def params(self):
@@ -236,7 +230,6 @@ class ModelRunner:
         num_blocks = np.zeros(b, np.int32)
         query_ids = np.full(b, self.num_query_slots, np.int32)  # the padding row
         compressed = np.zeros(b, bool)
-        policies, options, budgets = [], [], []
         for i, plan in enumerate(plans):
             seq = plan.seq
             tables[i, :len(plan.source_table)] = plan.source_table
@@ -244,33 +237,52 @@ class ModelRunner:
             num_blocks[i] = len(plan.source_table)
             query_ids[i] = seq.query_slot
             compressed[i] = seq.compressed
-            name = seq.params.eviction_policy or self.config.eviction_policy
-            policies.append(POLICIES[name])
-            options.append(self.config.policy_options(name))
-            budgets.append(seq.budget_blocks * self.block_size)
-        rows = compress_rows(policies, options, budgets, self.query_cache_len, b)
-        if self.profile_compress:  # time the compaction alone, not the forward step still in flight
+        rows = compress_rows([plan.seq.budget for plan in plans], b)
+        profile = self.config.profile_compaction
+        if profile:  # time the compaction alone, not the forward step still in flight
             jax.block_until_ready(self.state)
         start = time.perf_counter()
         self.state = self.compressor(("batch", b, "blocks", w), self.state, tables, num_blocks, query_ids,
                                      compressed, targets, rows)
-        if self.profile_compress:
+        if profile:
             jax.block_until_ready(self.state)
             self.compress_seconds += time.perf_counter() - start
 
     # -- forward --------------------------------------------------------------------------
 
-    def dispatch(self, chunks: list[Chunk], rows: list[SamplingRow]) -> tuple[list[PendingBatch], list[RowFailure]]:
-        """Dispatches the step's decode rows and prefill rows (at most two compiled calls)."""
+    def dispatch(self, chunks: list[Chunk]) -> tuple[list[PendingBatch], list[RowFailure]]:
+        """Dispatches the step's decode rows and prefill rows (at most two compiled calls). A
+        chunk whose inputs cannot be built fails alone (RowFailure); the step runs without it."""
         failures: list[RowFailure] = []
+        rows = []
+        for chunk in chunks:
+            try:
+                rows.append((chunk, self._sampling_row(chunk)))
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failures.append(RowFailure(chunk, exc))
         pending = []
         for is_decode in (True, False):
-            picked = [(c, r) for c, r in zip(chunks, rows) if (c.num_tokens == 1) == is_decode]
+            picked = [(c, r) for c, r in rows if (c.num_tokens == 1) == is_decode]
             if picked:
                 batch = self._dispatch_batch(picked, is_decode, failures)
                 if batch is not None:
                     pending.append(batch)
         return pending, failures
+
+    def _sampling_row(self, chunk: Chunk) -> SamplingRow:
+        seq = chunk.seq
+        params = seq.params
+        forced = params.forced_token_ids
+        step = seq.num_output_tokens
+        reset = not seq.state_fresh
+        if reset and seq.num_computed_tokens and _penalised(params):
+            self.seed_history(seq)  # its cached prefix tokens never pass through a step
+            reset = False
+        suppress = () if step >= params.min_tokens else (
+            tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids))
+        return SamplingRow(params=params, seed=seq.seed, step=step, suppress_ids=suppress,
+                           forced_id=forced[step] if step < len(forced) else -1, slot=seq.state_slot,
+                           num_prompt_tokens=seq.num_prompt_tokens, reset=reset, samples=chunk.samples)
 
     def fetch(self, batches: list[PendingBatch]) -> Iterator[StepResult]:
         """The sampled tokens of dispatched batches (waits for the device)."""
@@ -371,7 +383,7 @@ class ModelRunner:
         for b in buckets(cfg.max_compress_seqs):
             for w in buckets(self.max_blocks, 2):
                 grid.append(("compression", ("batch", b, "blocks", w), functools.partial(self._compile_compress, b, w)))
-        for n in buckets(cfg.max_model_len, _MIN_HISTORY):
+        for n in buckets(self.pool.max_model_len, _MIN_HISTORY):
             grid.append(("history", ("tokens", n), functools.partial(self._compile_seed, n)))
         return grid
 
@@ -383,7 +395,7 @@ class ModelRunner:
 
     def _compile_compress(self, b: int, w: int) -> None:
         tables = np.zeros((b, w), np.int32)
-        rows = compress_rows([], [], [], self.query_cache_len, b)
+        rows = compress_rows([], b)
         self.compressor.get(("batch", b, "blocks", w), self.state, tables, np.zeros(b, np.int32),
                             np.zeros(b, np.int32), np.zeros(b, bool), tables, rows)
 
@@ -417,3 +429,6 @@ class _InputArrays:
         return StepInputs(self.tokens, self.positions, self.slots, self.query_index, self.block_tables,
                           self.kv_lens, self.last_index)
 
+
+def _penalised(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1 or params.presence_penalty != 0 or params.frequency_penalty != 0

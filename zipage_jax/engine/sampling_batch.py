@@ -85,14 +85,3 @@ class SamplingArrays:
     def batch(self) -> SamplingBatch:
         return SamplingBatch(**vars(self))
 
-
-def build(rows: Sequence[SamplingRow], batch_size: int, *, suppress_width: int, pad_slot: int,
-          vocab_size: int) -> SamplingBatch:
-    """A SamplingBatch of `rows` padded to `batch_size` (for tests and one-off calls)."""
-    if not 0 < len(rows) <= batch_size:
-        raise ValueError(f"need 1..batch_size={batch_size} rows, got {len(rows)}")
-    arrays = SamplingArrays(batch_size, suppress_width, pad_slot)
-    for i, row in enumerate(rows):
-        arrays.check(row, suppress_width)
-        arrays.set(i, row, vocab_size)
-    return arrays.batch()

@@ -213,7 +213,7 @@ class Scheduler:
         total = 0
         for plan in out.compressions:
             seq = plan.seq
-            kept = seq.budget_blocks * self.block_manager.block_size
+            kept = seq.budget.tokens
             evicted = seq.num_kv_slots - kept
             self.block_manager.finish_compression(plan)
             seq.num_kv_slots = kept
@@ -224,10 +224,14 @@ class Scheduler:
         return total
 
     def commit(self, chunk: Chunk) -> None:
-        """The chunk was dispatched: its K/V are in the pool for every later step."""
+        """The chunk was dispatched: its K/V are in the pool for every later step, and its
+        sampled token (if any) is on its way (PENDING until it reaches the host)."""
         seq = chunk.seq
         seq.num_computed_tokens += chunk.num_tokens
         seq.num_kv_slots += chunk.num_tokens
+        seq.state_fresh = True
+        if chunk.samples:
+            seq.append_pending()
         self.block_manager.commit_full_blocks(seq)
 
     def finish(self, seq: Sequence) -> None:

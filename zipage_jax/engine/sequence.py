@@ -6,6 +6,8 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from zipage_jax.compress.policies import KVBudget
+
 _ids = itertools.count()
 PENDING = -1  # a sampled token the host has not received yet (asynchronous scheduling)
 
@@ -49,7 +51,7 @@ class Sequence:
 
     token_ids: list[int]
     block_size: int
-    budget_blocks: int | None = None  # M; None = full KV
+    budget: KVBudget | None = None  # resolved at admission; None = full KV
     params: object = None  # SamplingParams
     request_id: str = ""
     index: int = 0  # which of the request's n completions
@@ -78,6 +80,11 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def budget_blocks(self) -> int | None:
+        """M: the budget in blocks (None = full KV)."""
+        return None if self.budget is None else self.budget.blocks
 
     @property
     def num_output_tokens(self) -> int:
@@ -126,10 +133,10 @@ class Sequence:
     def first_query_tail_slot(self) -> int | None:
         """First physical slot >= num_kv_slots whose query must be cached: the last
         `query_cache_len` slots of a block that is compressed when it fills (index >= M)."""
-        if self.budget_blocks is None:
+        if self.budget is None:
             return None
         bs = self.block_size
-        start = max(self.num_kv_slots, self.budget_blocks * bs)
+        start = max(self.num_kv_slots, self.budget.tokens)
         return max(start, (start // bs) * bs + query_tail_start(bs, self.query_cache_len))
 
     def reset_for_recompute(self) -> None:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from pallas_kernels.kv_pool import KVPool
 from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.loading import LoadedModel
@@ -63,12 +64,11 @@ class TensorParallel:
         return _place(params, self.param_shardings(params))
 
     def kv_specs(self, kv: KVState) -> KVState:
-        per_token = lambda xs: None if xs is None else tuple(_TOKEN_HEADS for _ in xs)  # noqa: E731
-        return KVState(
-            k=tuple(_HEADS for _ in kv.k), v=tuple(_HEADS for _ in kv.v),
-            queries=tuple(_HEADS for _ in kv.queries),
-            scores=per_token(kv.scores), k_scales=per_token(kv.k_scales), v_scales=per_token(kv.v_scales),
-        )
+        def pool_spec(pool: KVPool) -> KVPool:
+            per_token = lambda a: None if a is None else _TOKEN_HEADS  # noqa: E731
+            return KVPool(_HEADS, _HEADS, per_token(pool.k_scales), per_token(pool.v_scales), per_token(pool.scores))
+
+        return KVState(pools=tuple(pool_spec(p) for p in kv.pools), queries=tuple(_HEADS for _ in kv.queries))
 
     def kv_shardings(self, kv: KVState) -> KVState:
         return jax.tree_util.tree_map(lambda spec: NamedSharding(self.mesh, spec), self.kv_specs(kv),
@@ -86,12 +86,17 @@ class TensorParallel:
         """Inside jit: pins the returned KV state to its input layout (steady jit cache keys)."""
         return jax.lax.with_sharding_constraint(kv, self.kv_shardings(kv))
 
-    def per_shard_kv(self, fn: Callable, kv: KVState, num_replicated: int) -> Callable:
-        """shard_map of `fn(kv, *replicated) -> kv`: fn sees each shard's heads only."""
+    def per_shard_kv(self, fn: Callable, kv: KVState) -> Callable:
+        """shard_map of `fn(kv, *replicated) -> kv`: fn sees each shard's heads only; every other
+        argument (a pytree) is replicated."""
         specs = self.kv_specs(kv)
-        # check_vma off: Pallas calls inside do not carry varying-axis types.
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=(specs,) + (P(),) * num_replicated, out_specs=specs,
-                             check_vma=False)
+
+        def run(kv: KVState, *replicated):
+            # check_vma off: Pallas calls inside do not carry varying-axis types.
+            return jax.shard_map(fn, mesh=self.mesh, in_specs=(specs,) + (P(),) * len(replicated),
+                                 out_specs=specs, check_vma=False)(kv, *replicated)
+
+        return run
 
     def group_queries(self, queries: list[jax.Array], query_ids: jax.Array) -> tuple[list[jax.Array], jax.Array]:
         """Inside per_shard_kv: the cached queries each shard's kv heads are scored with.

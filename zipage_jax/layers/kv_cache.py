@@ -8,15 +8,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import kv_quant
+from pallas_kernels.kv_pool import KVPool
 
 
 class KVState(NamedTuple):
-    k: tuple[jax.Array, ...]  # per layer [num_blocks, BS, Hkv, D] storage dtype, keys after RoPE
-    v: tuple[jax.Array, ...]  # per layer [num_blocks, BS, Hkv, D]
+    pools: tuple[KVPool, ...]  # per layer, [num_blocks, BS, Hkv, ...] each
     queries: tuple[jax.Array, ...]  # per layer [slots + 1, QL, Hq, D]; the last row is padding
-    scores: tuple[jax.Array, ...] | None  # per layer [num_blocks, BS, Hkv] f32 (global score)
-    k_scales: tuple[jax.Array, ...] | None = None  # per layer [num_blocks, BS, Hkv] f32 (quantized pools)
-    v_scales: tuple[jax.Array, ...] | None = None
 
     @classmethod
     def zeros(cls, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, num_heads: int,
@@ -25,22 +22,21 @@ class KVState(NamedTuple):
         """dtype: the model's (queries); kv_dtype: the pools' storage (default dtype); int8 or
         float8 pools get per-token scales."""
         kv_dtype = jnp.dtype(kv_dtype or dtype)
-        pool = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         quantized = kv_quant.is_quantized(kv_dtype)
-        per_token = lambda: tuple(jnp.zeros(pool[:3], jnp.float32) for _ in range(num_layers))  # noqa: E731
-        return cls(
-            k=tuple(jnp.zeros(pool, kv_dtype) for _ in range(num_layers)),
-            v=tuple(jnp.zeros(pool, kv_dtype) for _ in range(num_layers)),
-            queries=tuple(jnp.zeros((num_query_slots + 1, query_cache_len, num_heads, head_dim), dtype)
-                          for _ in range(num_layers)),
-            scores=per_token() if global_score else None,
-            k_scales=per_token() if quantized else None,
-            v_scales=per_token() if quantized else None,
-        )
 
-    def replace_layer(self, layer: int, **arrays: jax.Array) -> "KVState":
-        updates = {name: _set(getattr(self, name), layer, a) for name, a in arrays.items() if a is not None}
-        return self._replace(**updates)
+        def pool() -> KVPool:
+            per_token = lambda: jnp.zeros(shape[:3], jnp.float32)  # noqa: E731
+            return KVPool(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype),
+                          k_scales=per_token() if quantized else None, v_scales=per_token() if quantized else None,
+                          scores=per_token() if global_score else None)
+
+        queries = (num_query_slots + 1, query_cache_len, num_heads, head_dim)
+        return cls(pools=tuple(pool() for _ in range(num_layers)),
+                   queries=tuple(jnp.zeros(queries, dtype) for _ in range(num_layers)))
+
+    def replace_layer(self, layer: int, pool: KVPool, queries: jax.Array) -> "KVState":
+        return KVState(_set(self.pools, layer, pool), _set(self.queries, layer, queries))
 
 
 def _set(items: tuple, index: int, value) -> tuple:

@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import jax
 
+from pallas_kernels.kv_pool import KVPool
 from pallas_kernels.paged_attention import paged_decode_attention
-from pallas_kernels.xla_attention import NewKV, Pools, paged_attention, scatter_rows, write_kv
+from pallas_kernels.xla_attention import NewKV, paged_attention, scatter_rows, write_kv
+from zipage_jax.backend import Backend
 from zipage_jax.layers.kv_cache import KVState
-
-Backend = str  # "xla" | "pallas" | "pallas-interpret"
 
 
 class StepInputs(NamedTuple):
@@ -41,7 +41,7 @@ def xla_page_size(block_size: int) -> int:
 
 def uses_block_tables(backend: Backend, chunk: int) -> bool:
     """Whether rows of `chunk` tokens attend through block tables (Pallas decode) or page tables."""
-    return backend != "xla" and chunk == 1
+    return backend.uses_pallas and chunk == 1
 
 
 def paged_attention_fn(inputs: StepInputs, backend: Backend,
@@ -54,36 +54,23 @@ def paged_attention_fn(inputs: StepInputs, backend: Backend,
     def attn(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, state: KVState):
         # q: [R, C, Hq, D]; k, v: [R, C, Hkv, D]
         queries = scatter_rows(state.queries[layer], inputs.query_index, q)
-        pools = Pools(state.k[layer], state.v[layer], _layer(state.k_scales, layer), _layer(state.v_scales, layer))
+        layer_pool = state.pools[layer]
+        pool = layer_pool._replace(scores=None)  # attention neither reads nor writes the global score
         new = NewKV(inputs.slots, k, v)
         if uses_block_tables(backend, q.shape[1]):
-            pools = write_kv(pools, new)
-            kernel = functools.partial(paged_decode_attention, interpret=backend == "pallas-interpret")
+            pool = write_kv(pool, new)
+            kernel = functools.partial(paged_decode_attention, interpret=backend.interpret)
             kernel = kernel if per_shard_decode is None else per_shard_decode(kernel)
-            out = kernel(q[:, 0], pools.k, pools.v, inputs.block_tables, inputs.kv_lens[:, 0],
-                         **_scales_kwargs(pools))[:, None]
+            out = kernel(q[:, 0], pool.k, pool.v, inputs.block_tables, inputs.kv_lens[:, 0],
+                         **_scales_kwargs(pool))[:, None]
         else:
-            page = xla_page_size(pools.k.shape[1])
-            out, paged = paged_attention(q, _as_pages(pools, page), inputs.block_tables, inputs.kv_lens, new)
-            pools = _as_blocks(paged, pools)
-        return out, state.replace_layer(layer, queries=queries, k=pools.k, v=pools.v, k_scales=pools.k_scales,
-                                        v_scales=pools.v_scales)
+            page = xla_page_size(pool.block_size)
+            out, paged = paged_attention(q, pool.reshape_pages(page), inputs.block_tables, inputs.kv_lens, new)
+            pool = paged.reshape_like(pool)
+        return out, state.replace_layer(layer, pool._replace(scores=layer_pool.scores), queries)
 
     return attn
 
 
-def _layer(items, layer):
-    return None if items is None else items[layer]
-
-
-def _scales_kwargs(pools: Pools) -> dict:
-    return {} if pools.k_scales is None else {"k_scales": pools.k_scales, "v_scales": pools.v_scales}
-
-
-def _as_pages(pools: Pools, page: int) -> Pools:
-    """[num_blocks, BS, ...] -> [num_blocks * BS / page, page, ...]: flat slot ids are unchanged."""
-    return Pools(*(None if a is None else a.reshape((-1, page) + a.shape[2:]) for a in pools))
-
-
-def _as_blocks(paged: Pools, like: Pools) -> Pools:
-    return Pools(*(None if a is None else a.reshape(b.shape) for a, b in zip(paged, like)))
+def _scales_kwargs(pool: KVPool) -> dict:
+    return {} if pool.k_scales is None else {"k_scales": pool.k_scales, "v_scales": pool.v_scales}

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zipage_jax.models.config import RopeScaling
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: "linear" (factor) or "llama3" (all fields)."""
+
+    rope_type: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from zipage_jax.sampling_params import MAX_LOGPROBS
-
+MAX_LOGPROBS = 20  # top log-probabilities the sampler returns per row (requests may ask for fewer)
 _LANE = 128  # the vocabulary is padded to a multiple; argmax and draws go block then lane
 _GROUP = 16  # candidate groups of _largest
 _CANDIDATES = 64  # largest p per row read for top-k / top-p before falling back to bisection
@@ -287,7 +286,7 @@ def _largest(x: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
 def uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
     """One uniform in [0, 1) per row from its (seed, step), counter-based: the same whatever the
     batch. Two rounds of the murmur3 finaliser (a bijection of uint32) mix the seed and the step;
-    the top 24 bits give the float. (jax.random's threefry costs ~0.4 s of compile per program.)"""
+    the top 24 bits give the float. (jax.random's threefry adds compile time to every program.)"""
     # seed: [B] u32; step: [B] i32
     h = _fmix32(seed ^ jnp.uint32(0x9E3779B9))
     h = _fmix32(h ^ (step.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B) + jnp.uint32(0xC2B2AE35)))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from zipage_jax.layers.rotary import RopeScaling
+
 Architecture = Literal["llama", "qwen2", "qwen3"]
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -13,17 +15,6 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": "qwen3",
 }
 _MODEL_TYPES = {family: name for name, family in ARCHITECTURES.items()}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling: "linear" (factor) or "llama3" (all fields)."""
-
-    rope_type: Literal["linear", "llama3"]
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 Module and parameter names mirror transformers' (`layers[i].self_attn.o_proj`, ...) so the
 checkpoint mapping in weights.py is mechanical; a Linear stores `kernel: [in, out]`. One is
-fused: `self_attn.qkv_proj` holds q/k/v_proj (one matmul instead of three: ~6% faster batch-1
-decode on CPU), its columns grouped per kv head: its G query heads, its k head, its v head, so a
-column shard over whole kv heads holds their query heads too (tensor parallel); weights.fuse_qkv
-builds it. (Fusing gate/up_proj as well made batch-64 decode ~5% slower on CPU.)
+fused: `self_attn.qkv_proj` holds q/k/v_proj (one matmul instead of three), its columns grouped
+per kv head: its G query heads, its k head, its v head, so a column shard over whole kv heads
+holds their query heads too (tensor parallel); weights.fuse_qkv builds it. gate/up_proj stay
+apart: fusing them was slower at large batches on CPU.
 
 Attention is delegated: each layer calls
     out, cache = attn_fn(layer_idx, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D], cache)
@@ -17,7 +17,7 @@ To run it as a pure jitted function (the engine's way):
     step = jax.jit(fns.forward, static_argnames="attn_fn")
     hidden, cache = step(state, input_ids, positions, attn_fn=attn_fn, cache=cache)
     logits = jax.jit(fns.logits)(state, hidden[:, -1])
-Layers are unrolled in a Python loop: on CPU that is ~3x faster than lax.scan over stacked layers.
+Layers are unrolled in a Python loop: on CPU that runs faster than lax.scan over stacked layers.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class DecoderFns:
     """The decoder as pure functions of its parameter state (jit them; attn_fn is static).
 
     It is a static jit argument, hashed on every call: the graphdef's hash (a walk over the
-    whole module tree, ~10 ms) is computed once, and equality short-circuits on identity."""
+    whole module tree) is computed once, and equality short-circuits on identity."""
 
     graphdef: nnx.GraphDef
 

@@ -105,7 +105,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
     @app.get("/v1/models", response_model=None, responses=responses(ModelList, 500))
     async def models() -> JSONResponse:
         engine = engine_loop.engine if engine_loop.ready.is_set() else None
-        max_len = engine.config.max_model_len if engine is not None else None
+        max_len = engine.max_model_len if engine is not None else None
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "zipage-jax", "max_model_len": max_len}
             for name in names]})
@@ -119,7 +119,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
               responses=responses(Completion, *_GENERATION_ERRORS, stream=CompletionChunk))
     async def completions(request: Request) -> Response:
         body = await parse(request, CompletionRequest)
-        limit = admit(body).config.max_model_len
+        limit = admit(body).max_model_len
         prompts = await preprocessor.run(preprocessor.completion_prompts, body.prompt, limit)
         max_tokens = min(_max_tokens(len(p), body.max_tokens, limit, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
                          for p in prompts)
@@ -132,7 +132,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
               responses=responses(ChatCompletion, *_GENERATION_ERRORS, stream=ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
-        limit = admit(body).config.max_model_len
+        limit = admit(body).max_model_len
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         prompt = await preprocessor.run(preprocessor.chat_prompt, body, limit)

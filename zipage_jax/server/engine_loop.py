@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from zipage_jax.engine.llm_engine import EngineStats, LLMEngine
+from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.engine.outputs import RequestOutput
+from zipage_jax.engine.stats import EngineStats
 from zipage_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger("zipage_jax.server")

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from zipage_jax.engine.llm_engine import EngineStats
+from zipage_jax.engine.stats import EngineStats
 from zipage_jax.engine.outputs import RequestOutput
 
 # vLLM's buckets

@@ -11,9 +11,9 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from zipage_jax.compress.policies import POLICIES
 from zipage_jax.sampling_params import (
-    FLOAT32_MAX, INT32_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN,
+    EVICTION_POLICIES, FLOAT32_MAX, INT32_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
+    SEED_MAX, SEED_MIN,
     SamplingParams, check_text)
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
@@ -97,7 +97,7 @@ class SamplingFields(_Strict):
     include_stop_str_in_output: bool | None = None
     kv_budget: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = Field(
         None, description="KV tokens kept per sequence; 0 = full KV (zipage extension)")
-    eviction_policy: Literal[tuple(POLICIES)] | None = Field(
+    eviction_policy: Literal[EVICTION_POLICIES] | None = Field(
         None, description="which tokens a full sequence keeps; default: the server's (zipage extension)")
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -1,6 +1,6 @@
 """Tensor-parallel checks in a Python of their own, with 4 host devices (run by test_tensor_parallel.py).
 
-    python tests/tp_worker.py MODEL TP [--max-tokens 100] [--kv-budget 32] [--num-prompts 4] [--backend B]
+    python tests/engine/tp_worker.py MODEL TP [--max-tokens 100] [--kv-budget 32] [--num-prompts 4] [--backend B]
         [--kv-cache-dtype auto|int8|fp8]
 
 Greedy tokens with TP and with one device, full KV and compressed (a per-request kv_budget),
@@ -23,6 +23,7 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from zipage_jax import LLM  # noqa: E402
+from zipage_jax.backend import Backend  # noqa: E402
 from zipage_jax.crosscheck.tp import greedy_tokens  # noqa: E402
 from zipage_jax.models.weights import param_key  # noqa: E402
 
@@ -49,7 +50,7 @@ def use_backend(runner, backend: str) -> None:
     """Switches a fresh runner's attention / compression backend (pallas-interpret is not an
     EngineConfig choice: it only exists for tests on CPU)."""
     assert runner.num_compiles == 0, "switch the backend before anything compiles"
-    runner.backend = backend
+    runner.backend = backend = Backend.parse(backend)
     runner.forward.static["backend"] = runner.compressor.static["backend"] = backend
 
 
@@ -76,9 +77,10 @@ def shardings(llm) -> dict[str, dict]:
     arrays = {param_key(path): var[...] for path, var in nnx.to_flat_state(runner.params)}
     arrays = {k: v for k, v in arrays.items() if k.startswith(("layers.0.", "embed_tokens."))}
     kv, sampler = runner.state
-    arrays.update({"kv.k[0]": kv.k[0], "kv.v[0]": kv.v[0], "kv.queries[0]": kv.queries[0]})
-    if kv.k_scales is not None:
-        arrays.update({"kv.k_scales[0]": kv.k_scales[0], "kv.v_scales[0]": kv.v_scales[0]})
+    pool = kv.pools[0]
+    arrays.update({"kv.k[0]": pool.k, "kv.v[0]": pool.v, "kv.queries[0]": kv.queries[0]})
+    if pool.k_scales is not None:
+        arrays.update({"kv.k_scales[0]": pool.k_scales, "kv.v_scales[0]": pool.v_scales})
     arrays.update({f"sampler.{name}": x for name, x in sampler._asdict().items()})
     return {name: {"spec": [None if p is None else str(p) for p in x.sharding.spec], "shape": list(x.shape),
                    "dtype": str(x.dtype),

@@ -1,9 +1,4 @@
-"""Stand-ins for the device: an abstract H200 to lower kernels for CUDA on the CPU, and a host
-model of the pool for the block manager and scheduler tests.
-
-`lower_for_h200` lowers a jitted function for ("cuda",) under an abstract H200 device (or a
-mesh of them, `h200_mesh`), which runs the Pallas Triton lowering (the GPU rules: power-of-two
-tiles, dot operands) on the CPU.
+"""A host model of the device's pool for the block manager and scheduler tests.
 
 `FakeDevice`: every pool slot holds the (token id, position) whose K/V it would hold, and every query-cache
 row the (seq id, position) of the queries it would hold, so the tests can check what a real
@@ -16,28 +11,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-import jax
-
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, BlockManager, CompressionPlan
 from zipage_jax.engine.sequence import Sequence
-from zipage_jax.engine.sharding import TP
 
 Entry = tuple[int, int] | None
-
-H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-
-
-def h200_mesh(tp: int) -> jax.sharding.AbstractMesh:
-    """`tp` abstract H200s on the engine's one axis TP, automatic sharding like the engine's `Mesh`."""
-    return jax.sharding.AbstractMesh((tp,), (TP,), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=H200)
-
-
-def lower_for_h200(fn, *args, mesh: jax.sharding.AbstractMesh | None = None, **kwargs) -> str:
-    """The StableHLO text of jitted `fn(*args, **kwargs)` lowered for CUDA on an H200, or on the
-    H200s of `mesh` (h200_mesh: args carry NamedShardings over it)."""
-    mesh = mesh or jax.sharding.AbstractMesh((), (), abstract_device=H200)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
 
 
 class FakeDevice:

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests" / "compress")]
 
 import bench_engine  # noqa: E402
 import bench_gpu  # noqa: E402
@@ -142,7 +143,7 @@ def test_budget_sweep_one_pool_every_point_and_plot(llama_dir, tmp_path, monkeyp
     assert {c.num_kvcache_blocks for c in seen.values()} == {3 * (2 + 1) + 1} == {out["pool_blocks"]}
     assert seen["full"].max_cache_blocks_per_seq is None and seen["window@1"].max_cache_blocks_per_seq == 1
     assert seen["window@2"].eviction_policy == "window" and seen["zipage@2"].eviction_policy == "zipage"
-    assert seen["window@2"].use_global_score and seen["window@2"].redundancy == "lightning"
+    assert seen["window@2"].compression.use_global_score and seen["window@2"].compression.redundancy == "lightning"
     points = {(p["policy"], p["budget_blocks"]): p for p in out["sweep"]}
     assert len(points) == 4 and out["throughput_full"] == 10.0
     assert points[("window", 2)]["speedup"] == pytest.approx(2.3)
@@ -172,7 +173,7 @@ def test_pools_of_one_size_in_bytes_for_every_kv_dtype(llama_dir):
     for pool in pools.values():  # what the engine itself allocates
         config = bt.engine_config(llama_dir, workload, True, {}, pool)
         engine = LLMEngine(config, loaded=loaded)
-        assert engine.block_bytes == pool.block_bytes and engine.block_manager.num_usable_blocks == pool.blocks - 1
+        assert engine.pool.block_bytes == pool.block_bytes and engine.block_manager.num_usable_blocks == pool.blocks - 1
     by_gb = bt.size_pools(bt.Workload(**{**vars(workload), "pool_gb": 2**-10}), loaded, ["auto", "int8"])
     assert by_gb["auto"].blocks == 2**20 // f32 + 1 and by_gb["int8"].blocks == 2**20 // int8 + 1
 

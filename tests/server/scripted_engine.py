@@ -29,6 +29,7 @@ class ScriptedEngine:
     def __init__(self, **options):
         self._engine = LLMEngine(**options)
         self.config, self.tokenizer = self._engine.config, self._engine.tokenizer
+        self.max_model_len = self._engine.max_model_len
         self._script = list(self.tokenizer(SCRIPT_TEXT, add_special_tokens=False)["input_ids"])
         self._requests: dict[str, _Request] = {}
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fake_device import FakeDevice, check_block_manager
+from budgets import zipage_budget
 from zipage_jax.engine import block_manager as bm_module
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, BlockManager
 from zipage_jax.engine.sequence import Sequence
@@ -16,7 +17,7 @@ BS = 4
 
 
 def make_seq(tokens, budget=None) -> Sequence:
-    return Sequence(list(tokens), BS, budget_blocks=budget)
+    return Sequence(list(tokens), BS, budget=zipage_budget(budget, BS))
 
 
 def compute(bm: BlockManager, seq: Sequence, n: int, device: FakeDevice | None = None) -> None:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fake_device import lower_for_h200
+from h200 import lower_for_h200
 from pallas_kernels.kv_quant import dequantize, quantize
 from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 
@@ -187,7 +187,7 @@ def quantized_case(seed, pool_dtype, q_dtype, block_size, group, width, lengths)
 
 
 def round_trip_bound(x, pool_dtype):
-    # x: [L, Hkv, D] float64; the per-element quantization error bound (tests/test_kv_quant.py)
+    # x: [L, Hkv, D] float64; the per-element quantization error bound (tests/kernels/test_kv_quant.py)
     amax = np.abs(x).max(axis=-1, keepdims=True)
     if pool_dtype == jnp.int8:
         return np.broadcast_to(amax / 254, x.shape)

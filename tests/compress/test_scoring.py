@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compress_cases import CaseConfig, NUM_KV_HEADS, make_case, score_case, spec_scores
+from compress_cases import CaseConfig, scoring, NUM_KV_HEADS, make_case, score_case, spec_scores
 from pallas_kernels.attention_score import attention_score, attention_score_reference
 from zipage_jax.compress.scoring import score_layer
 
@@ -19,15 +19,9 @@ TOL = 1e-5
 # (config, query heads per kv head): block sizes 16/32/64, head ratios 1/3/4, QL 4/8/16/32, budgets 1..3
 CASES = {
     "attention": (CaseConfig(budget_blocks=1, block_size=16, query_cache_len=4), 1),
-    "global_maxnorm_pool_lightning": (CaseConfig(
-        budget_blocks=2, block_size=32, query_cache_len=8, use_global_score=True, max_norm=True,
-        enable_pooling=True, redundancy="lightning"), 3),
-    "global_contpool_raw_sinks": (CaseConfig(
-        budget_blocks=1, block_size=64, query_cache_len=32, use_global_score=True, enable_pooling=True,
-        continues_pooling=True, pooling_size=3, redundancy="raw", redundancy_lambda=0.5, sink_len=3), 4),
-    "pool_raw": (CaseConfig(
-        budget_blocks=3, block_size=16, query_cache_len=16, enable_pooling=True, redundancy="raw",
-        redundancy_temperature=1.0, redundancy_threshold=0.3), 4),
+    "global_maxnorm_pool_lightning": (CaseConfig(budget_blocks=2, block_size=32, query_cache_len=8, scoring=scoring(use_global_score=True, max_norm=True, enable_pooling=True, redundancy="lightning")), 3),
+    "global_contpool_raw_sinks": (CaseConfig(budget_blocks=1, block_size=64, query_cache_len=32, sink_len=3, scoring=scoring(use_global_score=True, enable_pooling=True, continues_pooling=True, pooling_size=3, redundancy="raw", redundancy_lambda=0.5)), 4),
+    "pool_raw": (CaseConfig(budget_blocks=3, block_size=16, query_cache_len=16, scoring=scoring(enable_pooling=True, redundancy="raw", redundancy_temperature=1.0, redundancy_threshold=0.3)), 4),
 }
 
 
@@ -68,7 +62,7 @@ def test_selection_matches_numpy_spec(name):
         np.testing.assert_allclose(final, spec.final[b], rtol=0, atol=TOL)
         assert (stages.final[b, :, n:] == -np.inf).all() and not stages.keep[b, :, n:].any()
         _assert_keep(_per_seq(stages.keep, b, n), spec.final[b], cfg.budget_tokens)
-    if cfg.use_global_score:  # written back into every valid block, nothing else touched
+    if cfg.scoring.use_global_score:  # written back into every valid block, nothing else touched
         np.testing.assert_allclose(np.asarray(score_cache), spec.score_cache, rtol=0, atol=TOL)
 
 

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fake_device import h200_mesh, lower_for_h200
+from h200 import h200_mesh, lower_for_h200
 from pallas_kernels import kv_quant
+from zipage_jax.backend import Backend
 from zipage_jax.compress.policies import compress_rows
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.runner import DeviceState, _compress, _forward_and_sample, bucket
@@ -120,21 +121,21 @@ class Engine:
 
     def lower_forward(self, rows: int, chunk: int) -> str:
         bs = self.case.block_size
-        width = self.max_blocks if uses_block_tables("pallas", chunk) else self.max_blocks * (bs // xla_page_size(bs))
+        width = self.max_blocks if uses_block_tables(Backend.PALLAS, chunk) else self.max_blocks * (bs // xla_page_size(bs))
         per_token = self._ints(rows, chunk)
         inputs = StepInputs(per_token, per_token, per_token, per_token, self._ints(rows, width), per_token,
                             self._ints(rows))
         sampling = self._abstract(SamplingArrays(rows, bucket(MAX_STOP_TOKEN_IDS + 1), MAX_NUM_SEQS).batch())
         return lower_for_h200(_forward_and_sample, self.param_leaves, self.state, inputs, sampling, mesh=self.mesh,
-                              fns=self.fns, params_def=self.params_def, backend="pallas", tp=self.tp)
+                              fns=self.fns, params_def=self.params_def, backend=Backend.PALLAS, tp=self.tp)
 
     def lower_compress(self) -> str:
         b, w = COMPRESS_BATCH, COMPRESS_WIDTH[self.case.block_size]
-        cfg = EngineConfig(kvcache_block_size=self.case.block_size, compilation_cache_dir="").compression()
-        rows = self._abstract(compress_rows([], [], [], cfg.query_cache_len, b))
+        cfg = EngineConfig().compression
+        rows = self._abstract(compress_rows([], b))
         return lower_for_h200(_compress, self.state, self._ints(b, w), self._ints(b), self._ints(b),
                               self._ints(b, dtype=bool), self._ints(b, w), rows, mesh=self.mesh, cfg=cfg,
-                              backend="pallas", tp=self.tp)
+                              backend=Backend.PALLAS, tp=self.tp)
 
     # -- what the kernels must see --------------------------------------------------------
 

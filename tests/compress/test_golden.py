@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.attention_score import attention_score
+from zipage_jax.backend import Backend
 from zipage_jax.crosscheck import golden
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -41,8 +42,8 @@ def test_pallas_kernels_match_reference(path):
         attn = attention_score(jnp.asarray(z["k_cache_in"][layer]), queries, jnp.asarray(tables),
                                jnp.asarray(num_blocks), interpret=True)
         assert np.abs(np.asarray(attn) - z["attn_score"][layer]).max() <= golden.SCORE_TOL
-        budget_blocks = int(rows.budget.max()) // cfg.block_size
-        pools = golden.compact_on_reference_keep(z, layer, cfg, tables, budget_blocks, "pallas-interpret")
+        budget_blocks = int(rows.budget.max()) // z["k_cache_in"].shape[2]  # [L, NB, BS, Hkv, D]
+        pools = golden.compact_on_reference_keep(z, layer, cfg, tables, budget_blocks, Backend.PALLAS_INTERPRET)
         for name, pool in zip(("k_cache_out", "v_cache_out", "score_cache_out"), pools):
             assert (pool is None) == (name not in z)
             assert pool is None or np.asarray(pool).tobytes() == z[name][layer].tobytes(), name

@@ -1,4 +1,4 @@
-"""Adversarial compaction inputs: keep patterns and block geometries (tests/test_compact.py and
+"""Adversarial compaction inputs: keep patterns and block geometries (tests/compress/test_compact.py and
 scripts/bench_gpu.py, which runs them on the GPU against the reference).
 
 A case: `num_seqs` sequences of `width` full blocks at shuffled blocks, then one padding row

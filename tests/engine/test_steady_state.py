@@ -1,5 +1,5 @@
 """Long generation at constant cost: no compiles after warm-up, asynchronous scheduling that
-changes nothing, outputs that carry deltas only (issue 15)."""
+changes nothing, outputs that carry deltas only."""
 
 from __future__ import annotations
 

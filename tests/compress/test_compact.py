@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from compact_cases import PATTERNS, compaction_case, num_pool_blocks
-from compress_cases import CaseConfig, NUM_KV_HEADS, compress_args, make_case
+from compress_cases import CaseConfig, scoring, NUM_KV_HEADS, compress_args, make_case
 from pallas_kernels import kv_quant
 from pallas_kernels.compact import _chunk_rows, compact, compact_reference
-from zipage_jax.compress.step import LayerPools, compress, compress_layer
+from pallas_kernels.kv_pool import KVPool
+from zipage_jax.compress.step import compress, compress_layer
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -139,9 +140,12 @@ def _layers(case, seed, num_layers=2):
     return out
 
 
+def _pool(layers: dict, i: int) -> KVPool:
+    return KVPool(jnp.asarray(layers["k"][i]), jnp.asarray(layers["v"][i]), scores=jnp.asarray(layers["s"][i]))
+
+
 def test_compress_step_donated_backends_agree():
-    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=8, use_global_score=True,
-                     enable_pooling=True, redundancy="lightning")
+    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=8, scoring=scoring(use_global_score=True, enable_pooling=True, redundancy="lightning"))
     case = make_case(5, cfg, 2)
     layers = _layers(case, 5)
     _, queries, *batch, rows, compression = compress_args(case, cfg)
@@ -149,7 +153,7 @@ def test_compress_step_donated_backends_agree():
     step = jax.jit(compress, static_argnames=("cfg", "backend"), donate_argnames=("layers",))
     results = {}
     for backend in ("xla", "pallas-interpret"):
-        pools = [LayerPools(*(jnp.asarray(layers[key][i]) for key in "kvs")) for i in range(len(layers["k"]))]
+        pools = [_pool(layers, i) for i in range(len(layers["k"]))]
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # "donated buffers were not usable"
             results[backend] = step(pools, queries, *batch, rows, cfg=compression, backend=backend)
@@ -157,8 +161,8 @@ def test_compress_step_donated_backends_agree():
     one_layer = jax.jit(compress_layer, static_argnames=("cfg", "backend"))
     targets = case.target_tables[:, : cfg.budget_blocks]
     for layer in range(len(layers["k"])):
-        pools = LayerPools(*(jnp.asarray(layers[key][layer]) for key in "kvs"))
-        (k, v, s, _, _), stages = one_layer(pools, queries[layer], *batch, rows, cfg=compression)
+        moved, stages = one_layer(_pool(layers, layer), queries[layer], *batch, rows, cfg=compression)
+        k, v, s = moved.k, moved.v, moved.scores
         keep = np.asarray(stages.keep)
         assert _same_bits(k, _twin(layers["k"][layer], keep, case.block_tables, targets))
         for backend, out in results.items():
@@ -171,7 +175,7 @@ def test_compress_step_moves_quantization_scales_with_their_tokens():
     case = make_case(7, cfg, 2)
     k, v = (jnp.asarray(np.nan_to_num(x), jnp.float32) for x in (case.k_pool, case.v_pool))
     (kq, ks), (vq, vs) = kv_quant.quantize(k, jnp.int8), kv_quant.quantize(v, jnp.int8)
-    pools = [LayerPools(kq, vq, None, ks, vs)]
+    pools = [KVPool(kq, vq, ks, vs)]
     out = compress(*compress_args(case, cfg, pools), backend="xla")[0]
     query_caches, *rest = compress_args(case, cfg)[1:]
     one_layer = jax.jit(compress_layer, static_argnames=("cfg", "backend"))
@@ -182,12 +186,12 @@ def test_compress_step_moves_quantization_scales_with_their_tokens():
         assert _same_bits(moved, _twin(np.asarray(before), keep, case.block_tables, targets))
     # the scores used the dequantized keys: the same keep as scoring the dequantized pools
     dk, dv = kv_quant.dequantize(kq, ks, jnp.float32), kv_quant.dequantize(vq, vs, jnp.float32)
-    _, plain = one_layer(LayerPools(dk, dv), query_caches[0], *rest)
+    _, plain = one_layer(KVPool(dk, dv), query_caches[0], *rest)
     np.testing.assert_array_equal(np.asarray(plain.keep), keep)
 
 
 def test_compress_step_checks_inputs():
-    cfg = CaseConfig(budget_blocks=1, block_size=16, query_cache_len=4, use_global_score=True)
+    cfg = CaseConfig(budget_blocks=1, block_size=16, query_cache_len=4, scoring=scoring(use_global_score=True))
     case = make_case(6, cfg, 1)
     pools, queries, tables, num_blocks, query_ids, compressed, targets, rows, compression = compress_args(case, cfg)
     with pytest.raises(ValueError, match="backend"):

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zipage_jax.engine import sampling_batch
-from zipage_jax.engine.sampling_batch import SamplingRow
+from zipage_jax.engine.sampling_batch import SamplingArrays, SamplingRow
 from zipage_jax.layers import sampler
 from zipage_jax.layers.sampler import SamplerState, record_inputs, sample
 from zipage_jax.sampling_params import SamplingParams as SP
@@ -27,8 +26,11 @@ def _row(sp: SP, seed: int, **fields) -> SamplingRow:
 
 def _batch(rows: list[SamplingRow], batch_size: int, vocab: int = V):
     # row i uses state slot i; the padding slot is batch_size
-    rows = [dataclasses.replace(r, slot=i) for i, r in enumerate(rows)]
-    return sampling_batch.build(rows, batch_size, suppress_width=SUPPRESS, pad_slot=batch_size, vocab_size=vocab)
+    arrays = SamplingArrays(batch_size, SUPPRESS, pad_slot=batch_size)
+    for i, row in enumerate(rows):
+        arrays.check(row, SUPPRESS)
+        arrays.set(i, dataclasses.replace(row, slot=i), vocab)
+    return arrays.batch()
 
 
 def _state(histories: dict[int, tuple[list[int], list[int]]], batch_size: int, vocab: int = V) -> SamplerState:
@@ -314,11 +316,7 @@ def test_builder_pads_rows():
     np.testing.assert_array_equal(batch.wants_logprobs, [True, False, False, False])
 
 
-def test_builder_and_sample_reject_bad_shapes():
-    with pytest.raises(ValueError, match="need 1..batch_size=2 rows, got 3"):
-        _batch([_row(SP(), seed=0)] * 3, 2)
-    with pytest.raises(ValueError, match="need 1..batch_size=2 rows, got 0"):
-        _batch([], 2)
+def test_sampling_rows_and_sample_reject_bad_shapes():
     with pytest.raises(ValueError, match="suppressed token ids"):
         _batch([_row(SP(), seed=0, suppress_ids=tuple(range(SUPPRESS + 1)))], 2)
     batch = _batch([_row(SP(), seed=0)], 2)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -10,52 +9,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zipage_jax.compress.policies import POLICIES, CompressRows, compress_rows
+from pallas_kernels.kv_pool import KVPool
+from zipage_jax.compress.config import CompressionConfig
+from zipage_jax.compress.policies import POLICIES, CompressRows, KVBudget, compress_rows, resolve_budget
 from zipage_jax.compress.scoring import score_layer
-from zipage_jax.compress.step import LayerPools
-from zipage_jax.config import EngineConfig
+
+def scoring(**options) -> CompressionConfig:
+    """The engine's scoring options, the global score off unless asked for (the reference's default)."""
+    return CompressionConfig(**{"use_global_score": False, **options})
+
 
 @dataclass(frozen=True)
 class CaseConfig:
-    """One test case's compression setting: the engine's scoring options, one budget and one
-    policy for every sequence of the batch (sink_len 0 and recent_fraction None: the policy's own)."""
+    """One test case's compression setting: the scoring options, one budget and one policy for
+    every sequence of the batch (sink_len 0 and recent_fraction None: the policy's own)."""
 
     budget_blocks: int
     block_size: int
     query_cache_len: int = 16
-    use_global_score: bool = False
-    decay_factor: float = 0.8
-    max_norm: bool = False
-    enable_pooling: bool = False
-    continues_pooling: bool = False
-    pooling_size: int = 5
-    redundancy: str = "none"
-    redundancy_lambda: float = 0.2
-    redundancy_temperature: float = 0.4
-    redundancy_threshold: float = 0.5
     sink_len: int = 0
     eviction_policy: str = "zipage"
     recent_fraction: float = 0.75
+    scoring: CompressionConfig = scoring()
 
     @property
     def budget_tokens(self) -> int:
         return self.budget_blocks * self.block_size
 
-    def engine(self) -> EngineConfig:
-        names = {f.name for f in dataclasses.fields(EngineConfig)}
-        shared = {k: v for k, v in dataclasses.asdict(self).items() if k in names}
-        shared.update(kvcache_block_size=self.block_size, sink_len=self.sink_len or None)
-        return EngineConfig(**shared)
-
-    def compression(self):
-        return self.engine().compression()
+    def budget(self) -> KVBudget:
+        """The budget admission would resolve for this setting."""
+        policy = POLICIES[self.eviction_policy]
+        options = policy.options(self.sink_len or None, self.recent_fraction)
+        return resolve_budget(policy, options, self.budget_blocks, self.block_size, self.query_cache_len)
 
     def rows(self, num_blocks) -> CompressRows:
         """The batch's per-row arrays: padding rows (no blocks) keep nothing."""
-        n = len(num_blocks)
-        opts = self.engine().policy_options(self.eviction_policy)
-        return compress_rows([POLICIES[self.eviction_policy]] * n, [opts] * n,
-                             [self.budget_tokens if b else 0 for b in num_blocks], self.query_cache_len)
+        budget = self.budget()
+        return compress_rows([budget if b else None for b in num_blocks])
+
 
 HEAD_DIM = 16
 NUM_KV_HEADS = 2
@@ -165,27 +156,27 @@ def _spec_sequence(case, cfg, b, n, score_cache):
             attn[h] += best / ql
 
     score, glob = attn.copy(), None
-    if cfg.use_global_score:
-        if cfg.max_norm:
+    if cfg.scoring.use_global_score:
+        if cfg.scoring.max_norm:
             score = score / score.max(axis=1, keepdims=True)
         if case.compressed[b]:
             old = t_len - bs
             history = score_cache[blocks[:-1]].reshape(old, NUM_KV_HEADS).T
-            score[:, :old] = np.maximum(score[:, :old], cfg.decay_factor * history)
+            score[:, :old] = np.maximum(score[:, :old], cfg.scoring.decay_factor * history)
         score_cache[blocks] = score.T.reshape(n, bs, NUM_KV_HEADS)
         glob = score.copy()
     pooled = None
-    if cfg.enable_pooling and (cfg.continues_pooling or not case.compressed[b]):
-        r = cfg.pooling_size // 2
+    if cfg.scoring.enable_pooling and (cfg.scoring.continues_pooling or not case.compressed[b]):
+        r = cfg.scoring.pooling_size // 2
         score = np.array([[row[max(0, t - r): t + r + 1].max() for t in range(t_len)] for row in score])
-    if cfg.enable_pooling:
+    if cfg.scoring.enable_pooling:
         pooled = score.copy()
     red = None
-    if cfg.redundancy != "none":
+    if cfg.scoring.redundancy != "none":
         red = np.stack([_spec_redundancy(keys[:, h], cfg) for h in range(NUM_KV_HEADS)])
-        if cfg.use_global_score and cfg.max_norm:
+        if cfg.scoring.use_global_score and cfg.scoring.max_norm:
             red = red / red.max(axis=1, keepdims=True)
-        score = score * cfg.redundancy_lambda - red * (1 - cfg.redundancy_lambda)
+        score = score * cfg.scoring.redundancy_lambda - red * (1 - cfg.scoring.redundancy_lambda)
     final = score.copy()
     final[:, : cfg.sink_len] = np.inf
     final[:, t_len - ql:] = np.inf
@@ -198,28 +189,28 @@ def _spec_sequence(case, cfg, b, n, score_cache):
 def _spec_redundancy(keys, cfg):  # keys: [T, D] -> softmaxed redundancy [T]
     t_len = len(keys)
     unit = keys / np.maximum(np.linalg.norm(keys, axis=1, keepdims=True), 1e-6)
-    span = cfg.block_size if cfg.redundancy == "lightning" else t_len
+    span = cfg.block_size if cfg.scoring.redundancy == "lightning" else t_len
     logits = np.zeros(t_len)
     for start in range(0, t_len, span):
         sim = unit[start: start + span] @ unit[start: start + span].T
         np.fill_diagonal(sim, 0.0)
         for col in range(span):
-            rows = np.nonzero(sim[:, col] > cfg.redundancy_threshold)[0]
+            rows = np.nonzero(sim[:, col] > cfg.scoring.redundancy_threshold)[0]
             if len(rows):
                 sim[rows.max(), col] = 0.0
         logits[start: start + span] = sim.sum(axis=1)
-    z = logits / (cfg.redundancy_temperature * span)
+    z = logits / (cfg.scoring.redundancy_temperature * span)
     e = np.exp(z - z.max())
     return e / e.sum()
 
 
 def score_case(case: Case, cfg: CaseConfig, backend: str = "xla", rows: CompressRows | None = None):
     """score_layer on a case (each row at the case's budget and policy, or `rows`): (stages, score cache)."""
-    score_cache = jnp.asarray(case.score_cache) if cfg.use_global_score else None
+    score_cache = jnp.asarray(case.score_cache) if cfg.scoring.use_global_score else None
     stages, score_cache = _score(
         jnp.asarray(case.k_pool), jnp.asarray(case.v_pool), jnp.asarray(case.query_cache[case.query_ids]),
         jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks), jnp.asarray(case.compressed), score_cache,
-        cfg.rows(case.num_blocks) if rows is None else rows, cfg.compression(), backend)
+        cfg.rows(case.num_blocks) if rows is None else rows, cfg.scoring, backend)
     return jax.tree.map(np.asarray, stages), score_cache
 
 
@@ -230,14 +221,14 @@ def _score(k_pool, v_pool, queries, block_tables, num_blocks, compressed, score_
 
 
 def compress_args(case: Case, cfg: CaseConfig, pools: list | None = None) -> tuple:
-    """The arguments of compress.step.compress for a one-layer case (pools: LayerPools list)."""
+    """The arguments of compress.step.compress for a one-layer case (pools: a KVPool list)."""
     nan_free = lambda x: jnp.asarray(np.nan_to_num(x))  # noqa: E731  (compaction copies NaN padding bytes)
     if pools is None:
-        pools = [LayerPools(nan_free(case.k_pool), nan_free(case.v_pool),
-                            nan_free(case.score_cache) if cfg.use_global_score else None)]
+        pools = [KVPool(nan_free(case.k_pool), nan_free(case.v_pool),
+                        scores=nan_free(case.score_cache) if cfg.scoring.use_global_score else None)]
     return (pools, [jnp.asarray(case.query_cache)], jnp.asarray(case.block_tables), jnp.asarray(case.num_blocks),
             jnp.asarray(case.query_ids), jnp.asarray(case.compressed), jnp.asarray(wide_targets(case)),
-            cfg.rows(case.num_blocks), cfg.compression())
+            cfg.rows(case.num_blocks), cfg.scoring)
 
 
 def wide_targets(case: Case) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Tensor parallelism on a `tp` mesh of host devices, and two processes over jax.distributed.
 
 JAX fixes its device count when it starts, so every check that needs several devices runs in a
-Python of its own (tests/tp_worker.py sets XLA_FLAGS=--xla_force_host_platform_device_count=4
+Python of its own (tests/engine/tp_worker.py sets XLA_FLAGS=--xla_force_host_platform_device_count=4
 before importing jax); this process keeps its single device. Greedy tokens must equal TP=1's
 in float32, with full KV and with compression.
 """
@@ -27,7 +27,7 @@ from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.loading import load_model
 from zipage_jax.models.weights import flat_params, split_qkv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("tp_worker.py")
 SMALL_ENGINE = ["--kvcache-block-size", "16", "--num-kvcache-blocks", "64", "--max-num-seqs", "8",
                 "--max-num-batched-tokens", "64", "--compilation-cache-dir="]

@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fake_device import FakeDevice, check_block_manager
+from budgets import zipage_budget
 from zipage_jax.engine.block_manager import BlockManager
 from zipage_jax.engine.scheduler import Scheduler, SchedulerOutput
 from zipage_jax.engine.sequence import Sequence, SequenceStatus
@@ -34,7 +35,8 @@ class Loop:
 
     def add(self, token_ids: list[int], max_tokens: int, budget: int | None = None,
             parent: Sequence | None = None) -> Sequence:
-        seq = Sequence(list(token_ids), self.bs, budget_blocks=budget, parent=parent, query_cache_len=self.ql)
+        seq = Sequence(list(token_ids), self.bs, budget=zipage_budget(budget, self.bs, self.ql), parent=parent,
+                       query_cache_len=self.ql)
         self.max_tokens[seq] = max_tokens
         self.seqs.append(seq)
         self.sched.add(seq)
@@ -56,9 +58,10 @@ class Loop:
             seq = chunk.seq
             if seq not in self.admitted:
                 self.admitted.append(seq)
+            samples = chunk.samples
             self.sched.commit(chunk)
-            if chunk.samples:
-                seq.token_ids.append(self.rng.randrange(3))
+            if samples:  # the sampled token arrives at once (synchronous scheduling)
+                seq.resolve(self.rng.randrange(3))
                 if seq.num_output_tokens >= self.max_tokens[seq]:
                     self.sched.finish(seq)
         self.check_state()
@@ -439,7 +442,7 @@ def test_prefill_rows_stay_within_the_grid_and_a_full_row_beside_a_decode():
     sched.add(decoding)
     for chunk in sched.schedule().chunks:  # its prompt
         sched.commit(chunk)
-    decoding.token_ids.append(9)  # sampled: it decodes from now on
+    decoding.resolve(9)  # sampled: it decodes from now on
     for prompt_len in (3, 9, 30):
         sched.add(Sequence(list(range(1, prompt_len + 1)), 4))
     for _ in range(6):
@@ -448,9 +451,10 @@ def test_prefill_rows_stay_within_the_grid_and_a_full_row_beside_a_decode():
         assert sum(-(-c.num_tokens // 8) for c in prefill) <= 2  # rows
         assert sum(c.num_tokens for c in out.chunks) <= 16  # tokens
         for chunk in out.chunks:
+            samples = chunk.samples
             sched.commit(chunk)
-            if chunk.samples:
-                chunk.seq.token_ids.append(9)
+            if samples:
+                chunk.seq.resolve(9)
     assert all(not s.in_prefill for s in sched.running)
 
 
@@ -462,7 +466,7 @@ def test_a_step_of_one_row_still_admits_a_prefill_beside_a_decode():
     sched.add(first)
     for chunk in sched.schedule().chunks:
         sched.commit(chunk)
-    first.token_ids.append(5)
+    first.resolve(5)
     sched.add(Sequence([3, 4, 5, 6, 7], 4))
     out = sched.schedule()
     assert sorted(c.num_tokens for c in out.chunks) == [1, 5]  # the decode and the whole 5-token prompt

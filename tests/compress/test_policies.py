@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compress_cases import CaseConfig, NUM_KV_HEADS, compress_args, make_case, score_case, spec_scores
-from zipage_jax.compress.policies import POLICIES, PolicyOptions
+from compress_cases import CaseConfig, scoring, NUM_KV_HEADS, compress_args, make_case, score_case, spec_scores
 from zipage_jax.compress.step import compress
 from zipage_jax.config import EngineConfig
 
@@ -17,12 +16,8 @@ TOL = 1e-5
 
 CASES = {  # (config, query heads per kv head)
     "window": (CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, eviction_policy="window"), 2),
-    "window_global_pool_sinks": (CaseConfig(
-        budget_blocks=3, block_size=16, query_cache_len=8, use_global_score=True, enable_pooling=True, sink_len=2,
-        recent_fraction=0.25, eviction_policy="window"), 3),
-    "window_lightning": (CaseConfig(
-        budget_blocks=2, block_size=32, query_cache_len=8, redundancy="lightning", recent_fraction=0.0,
-        eviction_policy="window"), 1),
+    "window_global_pool_sinks": (CaseConfig(budget_blocks=3, block_size=16, query_cache_len=8, sink_len=2, recent_fraction=0.25, eviction_policy="window", scoring=scoring(use_global_score=True, enable_pooling=True)), 3),
+    "window_lightning": (CaseConfig(budget_blocks=2, block_size=32, query_cache_len=8, recent_fraction=0.0, eviction_policy="window", scoring=scoring(redundancy="lightning")), 1),
     "vnorm_window": (CaseConfig(
         budget_blocks=2, block_size=16, query_cache_len=8, recent_fraction=0.3, eviction_policy="vnorm-window"), 2),
 }
@@ -36,14 +31,14 @@ def _numpy_policy(case, cfg, b, n):
     t_len = n * cfg.block_size
     if cfg.eviction_policy == "vnorm-window":
         # the weighting comes before every other stage: only the attention-only pipeline is checked
-        assert not (cfg.use_global_score or cfg.enable_pooling or cfg.redundancy != "none")
+        assert not (cfg.scoring.use_global_score or cfg.scoring.enable_pooling or cfg.scoring.redundancy != "none")
         values = case.v_pool[blocks].astype(np.float64).reshape(t_len, NUM_KV_HEADS, -1)
         score = spec_scores(case, reference).attn[b] * np.linalg.norm(values, axis=-1).T
     else:
         spec = spec_scores(case, reference)
         score = next(s[b] for s in (spec.pooled, spec.global_score, spec.attn) if s[b] is not None).copy()
-        if cfg.redundancy != "none":
-            score = score * cfg.redundancy_lambda - spec.redundancy[b] * (1 - cfg.redundancy_lambda)
+        if cfg.scoring.redundancy != "none":
+            score = score * cfg.scoring.redundancy_lambda - spec.redundancy[b] * (1 - cfg.scoring.redundancy_lambda)
     sinks = cfg.sink_len or 4
     recent = max(cfg.query_cache_len, int(cfg.recent_fraction * cfg.budget_tokens))
     pos = np.arange(t_len)
@@ -86,8 +81,7 @@ def test_window_keeps_the_recent_share_of_the_budget():
 
 @pytest.mark.parametrize("policy", ["window", "vnorm-window"])
 def test_compress_pallas_matches_xla(policy):
-    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, use_global_score=True,
-                            enable_pooling=True, eviction_policy=policy)
+    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, eviction_policy=policy, scoring=scoring(use_global_score=True, enable_pooling=True))
     case = make_case(7, cfg, 2)
     args = compress_args(case, cfg)
     xla = compress(*args, backend="xla")
@@ -98,7 +92,7 @@ def test_compress_pallas_matches_xla(policy):
 
 def test_mixed_policies_and_budgets_in_one_batch_match_each_alone():
     # one compiled step: every row keeps what a batch of its own policy and budget keeps
-    base = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, use_global_score=True)
+    base = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, scoring=scoring(use_global_score=True))
     case = make_case(9, base, 2, extra_blocks=(0, 1, 2, 2), compressed=(False, True, False, True))
     settings = [("zipage", 2), ("window", 1), ("vnorm-window", 2), ("streaming", 3)]
     alone = []
@@ -123,12 +117,3 @@ def test_mixed_policies_and_budgets_in_one_batch_match_each_alone():
 def test_bad_policy_options_raise(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(kvcache_block_size=16, **options)
-
-
-def test_engine_config_passes_policy_options_on():
-    engine = EngineConfig(kvcache_block_size=16, eviction_policy="vnorm-window", recent_fraction=0.25, sink_len=2)
-    assert engine.policy_options("window") == PolicyOptions(sinks=2, recent_fraction=0.25)
-    assert engine.policy_options("zipage") == PolicyOptions(sinks=2, recent_fraction=0.0)  # no recent window
-    assert EngineConfig().policy_options("streaming") == POLICIES["streaming"].defaults
-    cfg = engine.compression()
-    assert (cfg.block_size, cfg.use_global_score) == (16, True)  # the engine's own defaults, in one place

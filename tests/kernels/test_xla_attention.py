@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import kv_quant
-from pallas_kernels.xla_attention import NewKV, Pools, paged_attention
+from pallas_kernels.kv_pool import KVPool
+from pallas_kernels.xla_attention import NewKV, paged_attention
 from test_paged_attention import HEAD_DIM, NUM_KV_HEADS, make_paged_kv, naive_attention
 
 
@@ -26,7 +27,7 @@ def make_chunk(seed, dtype, block_size, group, width, prefix_lens, new_lens, chu
     for b in range(len(totals)):
         for c, seen in enumerate(kv_lens[b]):
             expected[b, c] = naive_attention(q64[b, c], ks[b][:seen], vs[b][:seen], HEAD_DIM**-0.5)
-    return (q, Pools(k_pool, v_pool), tables, jnp.asarray(kv_lens)), expected
+    return (q, KVPool(k_pool, v_pool), tables, jnp.asarray(kv_lens)), expected
 
 
 @pytest.mark.parametrize(
@@ -70,7 +71,7 @@ def test_new_kv_is_written_before_it_is_read():
     q = rng.standard_normal((2, chunk, group * NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
     kv_lens = (slots + 1).astype(np.int32)
     new = NewKV(jnp.asarray(flat, jnp.int32), jnp.asarray(new_k, jnp.float32), jnp.asarray(new_v, jnp.float32))
-    out, pools = paged_attention(jnp.asarray(q), Pools(jnp.asarray(k_pool), jnp.asarray(v_pool)), jnp.asarray(tables),
+    out, pools = paged_attention(jnp.asarray(q), KVPool(jnp.asarray(k_pool), jnp.asarray(v_pool)), jnp.asarray(tables),
                                  jnp.asarray(kv_lens), new)
     for r in range(2):
         for c in range(chunk):
@@ -111,12 +112,12 @@ def test_quantized_pools_attend_like_their_dequantized_values(kv_dtype):
     new_v = jnp.asarray(vs[0][prefix:][None], jnp.float32)
     q = jnp.asarray(rng.standard_normal((1, chunk, group * NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
     kv_lens = jnp.asarray((slots + 1)[None], jnp.int32)
-    out, pools = paged_attention(q, Pools(kq, vq, ksc, vsc), jnp.asarray(tables), kv_lens,
+    out, pools = paged_attention(q, KVPool(kq, vq, ksc, vsc), jnp.asarray(tables), kv_lens,
                                  NewKV(jnp.asarray(flat), new_k, new_v))
     assert pools.k.dtype == kv_dtype and pools.k_scales.dtype == jnp.float32
     dk = kv_quant.dequantize(pools.k, pools.k_scales, jnp.float32)
     dv = kv_quant.dequantize(pools.v, pools.v_scales, jnp.float32)
-    expected, _ = paged_attention(q, Pools(dk, dv), jnp.asarray(tables), kv_lens)
+    expected, _ = paged_attention(q, KVPool(dk, dv), jnp.asarray(tables), kv_lens)
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5, rtol=1e-5)
     # and the new tokens were quantized on the way in: within the round-trip bound
     got_k = np.asarray(dk).reshape(-1, NUM_KV_HEADS, HEAD_DIM)[flat[0]]

@@ -141,7 +141,7 @@ def test_int8_pool_under_compression_and_prefix_caching_is_deterministic(llm):
     floats = run_two_overlapping(llm, prompt, params)[0].token_ids
     same = sum(a == b for a, b in zip(runs[0][0].token_ids, floats))
     assert same >= 10  # greedy text diverges eventually; the first tokens agree
-    assert int8.engine.runner.state.kv.k[0].dtype == "int8"
+    assert int8.engine.runner.state.kv.pools[0].k.dtype == "int8"
 
 
 def test_kv_cache_memory_buys_blocks_by_bytes():
@@ -151,8 +151,8 @@ def test_kv_cache_memory_buys_blocks_by_bytes():
     mc = f32.loaded.config
     per_token_f32 = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
     per_token_int8 = 2 * mc.num_layers * mc.num_kv_heads * (mc.head_dim + 4)  # int8 values + a float32 scale
-    assert f32.block_bytes == BS * per_token_f32 and int8.block_bytes == BS * per_token_int8
+    assert f32.pool.block_bytes == BS * per_token_f32 and int8.pool.block_bytes == BS * per_token_int8
     ratio = int8.stats.num_kv_blocks / f32.stats.num_kv_blocks
-    assert ratio == pytest.approx(per_token_f32 / per_token_int8, rel=0.02)  # ~3.8x the tokens in the same bytes
+    assert ratio == pytest.approx(per_token_f32 / per_token_int8, rel=0.02)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         make_llm(kv_cache_dtype="int4")

@@ -30,7 +30,7 @@ ROW_FAILURE = "injected: this request's step inputs could not be built"
 ENGINE_OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=256, max_num_seqs=8, max_model_len=256,
                       max_num_batched_tokens=512)
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]

@@ -1,0 +1,69 @@
+"""Admission resolves a request's policy, options and budget once (engine/admission.py)."""
+
+import numpy as np
+import pytest
+
+from tiny_models import build_tokenizer
+from zipage_jax.compress.policies import POLICIES, Score
+from zipage_jax.config import EngineConfig
+from zipage_jax.engine.admission import Admission
+from zipage_jax.engine.pool_plan import KVPoolPlan
+from zipage_jax.sampling_params import SamplingParams
+
+BS, QL = 16, 8
+
+
+VOCAB = 300
+TOKENIZER = build_tokenizer(VOCAB)
+
+
+def _admission(num_blocks: int = 64, **options) -> Admission:
+    config = EngineConfig.from_options(kvcache_block_size=BS, query_cache_len=QL, compilation_cache_dir="",
+                                       **options)
+    pool = KVPoolPlan(BS, np.dtype(np.float32), 2, 1024, num_blocks, 4, 4096)
+    return Admission(config, pool, TOKENIZER, VOCAB, (TOKENIZER.eos_token_id,), frozenset())
+
+
+def test_engine_policy_options_and_budget_reach_the_sequences():
+    admission = _admission(max_cache_blocks_per_seq=4, eviction_policy="vnorm-window", recent_fraction=0.25,
+                           sink_len=2)
+    request = admission.admit("hello", SamplingParams(n=2), None, ())
+    budget = request.seqs[0].budget
+    assert all(seq.budget is budget for seq in request.seqs)  # resolved once for the request
+    assert (budget.policy.name, budget.blocks, budget.tokens) == ("vnorm-window", 4, 64)
+    assert (budget.sinks, budget.recent) == (2, 16)  # 0.25 of 64 tokens, more than the query tail
+    assert budget.policy.score == Score.VALUE_NORM
+
+
+def test_request_policy_overrides_the_engine_and_keeps_its_own_rules():
+    admission = _admission(max_cache_blocks_per_seq=4, recent_fraction=0.25, sink_len=2)
+    zipage = admission.budget(SamplingParams(eviction_policy="zipage"))
+    assert (zipage.policy, zipage.sinks, zipage.recent) == (POLICIES["zipage"], 2, QL)  # no recent window
+    streaming = _admission(max_cache_blocks_per_seq=4).budget(SamplingParams(eviction_policy="streaming"))
+    assert (streaming.sinks, streaming.recent) == (POLICIES["streaming"].defaults.sinks, QL)
+
+
+def test_kv_budget_in_tokens_rounds_up_to_blocks_and_zero_is_full_kv():
+    admission = _admission(max_cache_blocks_per_seq=4)
+    assert admission.budget(SamplingParams(kv_budget=0)) is None
+    assert admission.budget(SamplingParams(kv_budget=33)).blocks == 3
+    assert _admission().budget(SamplingParams()) is None  # no engine budget: full KV
+
+
+@pytest.mark.parametrize("options, params, message", [
+    (dict(sink_len=5), SamplingParams(kv_budget=16), "protects"),  # 16 tokens < 5 sinks + 0.75 * 16 recent
+    ({}, SamplingParams(kv_budget=63 * BS), "does not fit"),  # 63 + 1 blocks in a pool of 63
+])
+def test_bad_budgets_are_refused_before_any_sequence_exists(options, params, message):
+    admission = _admission(**options)
+    with pytest.raises(ValueError, match=message):
+        admission.admit("hello", params, None, ())
+
+
+def test_scoring_options_default_in_one_place():
+    assert EngineConfig().compression.use_global_score is True
+    assert EngineConfig.from_options(use_global_score=False).compression.use_global_score is False
+    with pytest.raises(ValueError, match="pooling_size"):
+        EngineConfig.from_options(pooling_size=4)
+    with pytest.raises(ValueError, match="unknown engine option"):
+        EngineConfig.from_options(block_size=16)

@@ -1,0 +1,110 @@
+"""The dependency direction of docs/ALGORITHM.md ("Code layout"): no import runs back up."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lowest first: a module may import its own layer and the layers below it, never one above.
+LAYERS = [
+    ("kernels", ["pallas_kernels"]),
+    ("backend", ["zipage_jax.backend"]),
+    ("layers", ["zipage_jax.layers"]),
+    ("models", ["zipage_jax.models"]),
+    ("compress", ["zipage_jax.compress"]),
+    ("options", ["zipage_jax.config", "zipage_jax.sampling_params"]),
+    ("engine", ["zipage_jax.engine"]),
+    ("api", ["zipage_jax.llm", "zipage_jax.chat", "zipage_jax.cli_options", "zipage_jax.__main__",
+             "zipage_jax.crosscheck", "zipage_jax"]),
+    ("server", ["zipage_jax.server"]),
+]
+# What the server may use of the engine: its public API, not the scheduler, runner or kernels.
+SERVER_MAY_IMPORT = ("zipage_jax.engine.llm_engine", "zipage_jax.engine.outputs", "zipage_jax.engine.stats")
+HOST_ONLY = ["zipage_jax.engine.sequence", "zipage_jax.engine.block_manager", "zipage_jax.engine.scheduler"]
+
+
+def layer_of(module: str) -> int | None:
+    """Index in LAYERS of the most specific prefix of `module`; None for third-party modules."""
+    best = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    return None if best is None else best[0]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import in the file, function-level ones included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def upward_imports(files: list[Path]) -> list[str]:
+    bad = []
+    for path in files:
+        source = module_name(path)
+        here = layer_of(source)
+        for line, target in imports(path):
+            there = layer_of(target)
+            if there is None:
+                continue
+            if there > here:
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({LAYERS[here][0]}) imports {target} "
+                           f"({LAYERS[there][0]})")
+            elif LAYERS[here][0] == "server" and LAYERS[there][0] not in ("server", "api", "options") \
+                    and not target.startswith(SERVER_MAY_IMPORT):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: the server reaches past the engine API to {target}")
+    return bad
+
+
+def project_files() -> list[Path]:
+    return sorted((ROOT / "zipage_jax").rglob("*.py")) + sorted((ROOT / "pallas_kernels").rglob("*.py"))
+
+
+def test_no_import_runs_back_up():
+    assert upward_imports(project_files()) == []
+
+
+def test_kernels_import_only_jax_and_numpy():
+    allowed = {"jax", "numpy", "pallas_kernels", "__future__"}
+    bad = [f"{path.name}:{line} imports {target}" for path in sorted((ROOT / "pallas_kernels").rglob("*.py"))
+           for line, target in imports(path)
+           if target.split(".")[0] not in allowed and target.split(".")[0] not in sys.stdlib_module_names]
+    assert bad == []
+
+
+def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
+    # positive control: a layers/ module importing the engine, and the server importing the scheduler
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "zipage_jax" / "layers").mkdir(parents=True)
+    (tmp_path / "zipage_jax" / "server").mkdir()
+    (tmp_path / "zipage_jax" / "layers" / "bad.py").write_text("from zipage_jax.engine.runner import ModelRunner\n")
+    (tmp_path / "zipage_jax" / "server" / "bad.py").write_text("import zipage_jax.engine.scheduler\n")
+    found = upward_imports(project_files())
+    assert len(found) == 2 and "(layers) imports zipage_jax.engine.runner (engine)" in found[0]
+    assert "reaches past the engine API" in found[1]
+
+
+@pytest.mark.parametrize("module", HOST_ONLY)
+def test_host_only_modules_load_without_jax(module):
+    code = f"import sys, json, {module}; print(json.dumps('jax' in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) is False

@@ -1,0 +1,118 @@
+"""Admission: a request is validated against this engine and resolved, once, before it joins a batch.
+
+Everything a request can get wrong raises ValueError naming the field, here, so a request
+admitted cannot overflow a step's inputs or harm another one. Its eviction policy, the
+policy's options and its token budget are resolved into a `KVBudget` carried by its
+sequences: the scheduler and the runner only read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+import uuid
+from collections.abc import Container
+
+import numpy as np
+
+from zipage_jax.compress.policies import POLICIES, KVBudget, resolve_budget
+from zipage_jax.config import EngineConfig
+from zipage_jax.engine.pool_plan import KVPoolPlan
+from zipage_jax.engine.request import Request
+from zipage_jax.engine.sequence import Sequence
+from zipage_jax.engine.stop_checker import StopChecker
+from zipage_jax.sampling_params import SamplingParams, check_text
+
+
+class Admission:
+    def __init__(self, config: EngineConfig, pool: KVPoolPlan, tokenizer, vocab_size: int,
+                 eos_token_ids: tuple[int, ...], special_ids: frozenset[int]):
+        self.config, self.pool, self.tokenizer = config, pool, tokenizer
+        self.vocab = min(vocab_size, len(tokenizer))  # ids the model has a row for and the tokenizer a token for
+        self.model_vocab_size = vocab_size
+        self.eos_token_ids, self.special_ids = eos_token_ids, special_ids
+        self._rng = np.random.default_rng(config.seed)
+        self._ids = itertools.count()
+
+    def admit(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
+              in_use: Container[str]) -> Request:
+        """The request, ready to schedule; ValueError for anything this engine cannot run.
+
+        Beyond SamplingParams' own bounds: token ids (prompt, stop_token_ids, forced_token_ids)
+        must lie in the vocabulary, n at most max_num_seqs, the prompt under max_model_len, and
+        kv_budget within the KV pool; top_k at or above the vocabulary size keeps every token, as
+        top_k = 0 does (it is stored as 0)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        token_ids, text = self._tokenize(prompt)
+        params = self._admissible(params)
+        limit = self.pool.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit} "
+                             "(at least one token must be generated)")
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if request_id in in_use:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        budget = self.budget(params)
+        seqs: list[Sequence] = []
+        for i in range(params.n):
+            seq = Sequence(list(token_ids), self.pool.block_size, budget=budget, params=params,
+                           request_id=request_id, index=i, parent=seqs[0] if seqs else None,
+                           seed=self._seed(params, i), query_cache_len=self.config.query_cache_len,
+                           max_len=min(len(token_ids) + params.max_tokens, limit))
+            seq.metrics.arrival_time = time.monotonic()
+            seqs.append(seq)
+        checkers = [StopChecker(self.tokenizer, params, self.eos_token_ids, token_ids, self.special_ids)
+                    for _ in seqs]
+        return Request(request_id, text, list(token_ids), params, seqs, checkers)
+
+    def budget(self, params: SamplingParams) -> KVBudget | None:
+        """The request's compression plan: its policy (the request's or the engine's), that
+        policy's options with the engine's sink_len / recent_fraction, and its budget in blocks
+        (kv_budget tokens rounded up, or max_cache_blocks_per_seq); None = full KV."""
+        config, bs = self.config, self.pool.block_size
+        if params.kv_budget == 0:
+            return None
+        blocks = config.max_cache_blocks_per_seq if params.kv_budget is None else -(-params.kv_budget // bs)
+        if blocks is None:
+            return None
+        policy = POLICIES[params.eviction_policy or config.eviction_policy]
+        options = policy.options(config.sink_len, config.recent_fraction)
+        budget = resolve_budget(policy, options, blocks, bs, config.query_cache_len)
+        if blocks + 1 > self.pool.num_usable_blocks:
+            raise ValueError(f"kv_budget of {blocks} blocks does not fit in the KV pool")
+        return budget
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            check_text("prompt", prompt)
+            return list(self.tokenizer(prompt)["input_ids"]), prompt
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        self._check_vocab("prompt token ids", prompt)
+        return [int(t) for t in prompt], None
+
+    def _admissible(self, params: SamplingParams) -> SamplingParams:
+        """params checked against this engine, top_k >= vocabulary stored as 0."""
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs={self.config.max_num_seqs} (the sequences this engine "
+                             f"runs at once), got {params.n}")
+        self._check_vocab("stop_token_ids", params.stop_token_ids)
+        self._check_vocab("forced_token_ids", params.forced_token_ids)
+        if params.top_k >= self.model_vocab_size:
+            params = dataclasses.replace(params, top_k=0)
+        return params
+
+    def _check_vocab(self, name: str, token_ids) -> None:
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab:
+                raise ValueError(f"{name} must be integers in [0, {self.vocab}), got {t!r}")
+
+    def _seed(self, params: SamplingParams, index: int) -> int:
+        if params.seed is None:
+            return int(self._rng.integers(0, 2**31))
+        return (params.seed * 1_000_003 + index) % 2**32
