@@ -160,7 +160,7 @@ def _spec_sequence(case, cfg, b, n, score_cache):
         if cfg.scoring.max_norm:
             score = score / score.max(axis=1, keepdims=True)
         if case.compressed[b]:
-            old = t_len - bs
+            old = min(t_len - bs, cfg.budget_tokens)  # the tokens kept at the last compaction
             history = score_cache[blocks[:-1]].reshape(old, NUM_KV_HEADS).T
             score[:, :old] = np.maximum(score[:, :old], cfg.scoring.decay_factor * history)
         score_cache[blocks] = score.T.reshape(n, bs, NUM_KV_HEADS)

@@ -20,7 +20,7 @@ TOKENIZER = build_tokenizer(VOCAB)
 def _admission(num_blocks: int = 64, **options) -> Admission:
     config = EngineConfig.from_options(kvcache_block_size=BS, query_cache_len=QL, compilation_cache_dir="",
                                        **options)
-    pool = KVPoolPlan(BS, np.dtype(np.float32), 2, 1024, num_blocks, 4, 4096)
+    pool = KVPoolPlan(BS, np.dtype(np.float32), 2, 1024, num_blocks, 4, 4096, (num_blocks - 1) * BS)
     return Admission(config, pool, TOKENIZER, VOCAB, (TOKENIZER.eos_token_id,), frozenset())
 
 
@@ -67,3 +67,22 @@ def test_scoring_options_default_in_one_place():
         EngineConfig.from_options(pooling_size=4)
     with pytest.raises(ValueError, match="unknown engine option"):
         EngineConfig.from_options(block_size=16)
+
+
+def test_budgeted_requests_reach_the_positions_and_full_kv_requests_the_pool():
+    # a pool of 15 blocks (240 tokens), positions up to 4096, prefill chunks of 64 tokens
+    admission = _admission(num_blocks=16, max_cache_blocks_per_seq=2, max_num_batched_tokens=64)
+    prompt = [5 + i % 200 for i in range(500)]
+    budgeted = admission.admit(prompt, SamplingParams(max_tokens=1000), None, ())
+    assert budgeted.seqs[0].max_len == 1500  # past the pool: it never holds more than 2 + 4 blocks
+    with pytest.raises(ValueError, match="KV pool's tokens"):
+        admission.admit(prompt, SamplingParams(kv_budget=0), None, ())
+    full = admission.admit(prompt[:10], SamplingParams(kv_budget=0, max_tokens=1000), None, ())
+    assert full.seqs[0].max_len == 240  # full KV stops where the pool does
+
+
+def test_a_long_prompt_whose_prefill_chunk_cannot_fit_is_refused():
+    admission = _admission(num_blocks=16, max_cache_blocks_per_seq=2, max_num_batched_tokens=2048)
+    with pytest.raises(ValueError, match="needs 130 blocks at its peak"):  # 2 + one chunk of 2048 / 16
+        admission.admit([5 + i % 200 for i in range(500)], SamplingParams(), None, ())
+    assert admission.admit([5] * 30, SamplingParams(), None, ()).seqs[0].budget.blocks == 2  # fits its budget

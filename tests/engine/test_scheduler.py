@@ -31,6 +31,7 @@ class Loop:
         self.seqs: list[Sequence] = []
         self.admitted: list[Sequence] = []  # in order of first admission
         self.history: list[SchedulerOutput] = []
+        self.compactions: list[tuple[Sequence, int]] = []  # (sequence, its computed tokens then)
         self.slots_in_use = 0  # most query slots ever held at once
 
     def add(self, token_ids: list[int], max_tokens: int, budget: int | None = None,
@@ -43,13 +44,14 @@ class Loop:
         return seq
 
     def step(self) -> SchedulerOutput:
-        before = {s: _state(s, self.bs) for s in self.seqs}
+        before = {s: _state(s, self.bs, self.sched.chunk_blocks) for s in self.seqs}
         running, waiting = list(self.sched.running), list(self.sched.waiting)
         out = self.sched.schedule()
         self._check_output(out, before, running, waiting)
         for plan in out.compressions:
             self.device.check_query_tail(plan.seq)
             self.device.compact(plan)
+            self.compactions.append((plan.seq, plan.seq.num_computed_tokens))
         evicted = self.sched.finish_compressions(out)
         assert evicted == sum(before[p.seq]["kv"] - p.seq.budget_blocks * self.bs for p in out.compressions)
         for chunk in out.chunks:
@@ -136,10 +138,13 @@ class Loop:
                 continue
             self.device.check_view(s)
             assert not s.compressing
-            if s.compressed:
-                assert len(s.block_table) == s.budget_blocks + 1, "a compressed sequence grew"
+            if s.compressed:  # its budget and the next block, or the blocks of a prefill chunk since
+                assert len(s.block_table) == max(s.budget_blocks + 1, -(-s.num_kv_slots // self.bs)), \
+                    "a compressed sequence grew"
             else:
                 assert len(s.block_table) == -(-s.num_kv_slots // self.bs)
+            if s.budget is not None:
+                assert len(s.block_table) <= s.budget_blocks + max(1, self.sched.chunk_blocks), "past budget + one chunk"
 
     def check_all_freed(self) -> None:
         assert all(s.is_finished for s in self.seqs)
@@ -147,10 +152,12 @@ class Loop:
         assert self.sched.query_slots.in_use == 0, "query slots leaked"
 
 
-def _state(seq: Sequence, bs: int) -> dict:
+def _state(seq: Sequence, bs: int, chunk_blocks: int) -> dict:
+    # full: at its budget and one chunk while computing its prompt, at its budget and the next block after it
     m = seq.budget_blocks
-    full = (m is not None and seq.status == SequenceStatus.RUNNING and not seq.in_prefill
-            and len(seq.block_table) >= m + 1 and seq.num_kv_slots == len(seq.block_table) * bs)
+    peak = None if m is None else m + (chunk_blocks if seq.num_computed_tokens < seq.num_prompt_tokens else 1)
+    full = (m is not None and seq.status == SequenceStatus.RUNNING
+            and len(seq.block_table) >= peak and seq.num_kv_slots == len(seq.block_table) * bs)
     return dict(full=full, kv=seq.num_kv_slots, compressed=seq.compressed, compressing=seq.compressing)
 
 
@@ -260,25 +267,51 @@ def test_compression_happens_exactly_when_the_budget_is_full():
     loop.check_all_freed()
 
 
-def test_a_long_prompt_is_prefilled_in_full_then_compressed():
-    bs, m = 4, 1
-    loop = Loop(16, bs, max_num_batched_tokens=6)
-    seq = loop.add(prompt(5 * bs - 1, 0), max_tokens=6, budget=m)
-    loop.step()
-    while seq.in_prefill or seq.num_output_tokens == 0:
-        assert not loop.step().compressions
-    assert len(seq.block_table) == 5
-    out = loop.step()  # one token fills block 5: still no compression
-    assert not out.compressions and len(seq.block_table) == 5
-    out = loop.step()
-    assert [p.seq for p in out.compressions] == [seq] and len(out.compressions[0].release) == 5 - (m + 1)
+def test_a_long_prompt_is_compressed_between_prefill_chunks():
+    bs, m, chunk = 4, 2, 8
+    loop = Loop(64, bs, max_num_batched_tokens=chunk)
+    seq = loop.add(prompt(8 * m * bs, 0), max_tokens=6, budget=m)  # 8x the budget
+    peak = 0
+    while seq.num_computed_tokens < seq.num_prompt_tokens:
+        loop.step()
+        peak = max(peak, len(seq.block_table))
+    positions = [n for s, n in loop.compactions if s is seq]
+    # a compaction each time the sequence holds its budget and one chunk: positions 16, 24, ..., 56
+    assert positions == list(range((m + chunk // bs) * bs, 8 * m * bs, chunk))
+    assert peak == m + chunk // bs  # the budget and one chunk, not the 16 blocks of the prompt
     loop.run()
     loop.check_all_freed()
 
 
+def test_compactions_in_a_prompt_do_not_depend_on_its_chunks():
+    # the same prompt alone (whole chunks) and beside a decode that takes a token of every step
+    def positions(with_neighbour: bool) -> list[int]:
+        loop = Loop(64, 4, max_num_batched_tokens=8)
+        if with_neighbour:
+            loop.add(prompt(3, 1), max_tokens=40)
+            loop.step()
+        seq = loop.add(prompt(50, 0), max_tokens=4, budget=2)
+        loop.run()
+        return [n for s, n in loop.compactions if s is seq]
+
+    assert positions(False) == positions(True) != []
+
+
+def test_a_prompt_that_ends_inside_a_block_compresses_when_its_decode_fills_it():
+    bs, m = 4, 1
+    loop = Loop(16, bs, max_num_batched_tokens=6)
+    seq = loop.add(prompt(5 * bs - 1, 0), max_tokens=6, budget=m)
+    while seq.in_prefill or seq.num_output_tokens == 0:
+        loop.step()
+    assert seq.compressed and len(seq.block_table) <= m + 1 + -(-6 // bs)
+    loop.run()
+    assert seq.num_output_tokens == 6
+    loop.check_all_freed()
+
+
 def test_a_compression_that_needs_blocks_for_shared_ones_preempts():
-    loop = Loop(8, 4, max_num_seqs=3, max_num_batched_tokens=3, num_query_slots=1, query_cache_len=1)
-    p = prompt(14, 0)
+    loop = Loop(8, 4, max_num_seqs=3, max_num_batched_tokens=16, num_query_slots=1, query_cache_len=1)
+    p = prompt(14, 0)  # one chunk: prefilled whole, compressed once its decodes fill block 4
     parent = loop.add(p, max_tokens=4, budget=1)
     loop.add(p, max_tokens=4, budget=1, parent=parent)  # shares the parent's first 3 blocks
     loop.add(prompt(1, 1), max_tokens=8, budget=1)  # holds the last free blocks

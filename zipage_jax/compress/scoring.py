@@ -80,7 +80,7 @@ def score_layer(
     global_, pooled, red = None, None, None
     if cfg.use_global_score:
         scores, score_cache = global_score(scores, score_cache, block_tables if cache_tables is None else cache_tables,
-                                           num_blocks, compressed, cfg)
+                                           num_blocks, compressed, rows.budget // block_size, cfg)
         global_ = scores
     if cfg.enable_pooling:
         scores = pooled = max_pool(scores, compressed, cfg)
@@ -122,9 +122,12 @@ def global_score(
     block_tables: jax.Array,
     num_blocks: jax.Array,
     compressed: jax.Array,
+    history_blocks: jax.Array,
     cfg: CompressionConfig,
 ) -> tuple[jax.Array, jax.Array]:
-    """Step 2: `max(score, decay * history)` off the newest block of compressed sequences."""
+    """Step 2: `max(score, decay * history)` over the blocks a compressed sequence kept at its
+    last compaction (`history_blocks` [B], its budget in blocks); the blocks written since (one
+    in decode, a prefill chunk's in prefill) are scored afresh."""
     if score_cache is None:
         raise ValueError("use_global_score needs a score cache")
     num_kv_blocks = score_cache.shape[0]
@@ -133,7 +136,7 @@ def global_score(
         scores = _max_normed(scores)
     history = score_cache[block_tables].transpose(0, 3, 1, 2)  # [B, Hkv, W, BS]
     w = jnp.arange(width)
-    use_history = compressed[:, None] & (w[None, :] < num_blocks[:, None] - 1)  # [B, W]
+    use_history = compressed[:, None] & (w[None, :] < jnp.minimum(history_blocks, num_blocks - 1)[:, None])  # [B, W]
     decayed = jnp.maximum(scores, history * cfg.decay_factor)
     scores = jnp.where(use_history[:, None, :, None], decayed, scores)
     dest = jnp.where(w[None, :] < num_blocks[:, None], block_tables, num_kv_blocks)  # out of range: dropped

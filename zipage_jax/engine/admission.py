@@ -48,14 +48,15 @@ class Admission:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         token_ids, text = self._tokenize(prompt)
         params = self._admissible(params)
-        limit = self.pool.max_model_len
+        budget = self.budget(params, len(token_ids))
+        limit = self.pool.max_model_len if budget is not None else self.pool.max_full_kv_len
         if len(token_ids) >= limit:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit} "
+            what = "max_model_len" if limit == self.pool.max_model_len else "the KV pool's tokens (full KV)"
+            raise ValueError(f"prompt has {len(token_ids)} tokens but {what} is {limit} "
                              "(at least one token must be generated)")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in in_use:
             raise ValueError(f"request id {request_id!r} is already in use")
-        budget = self.budget(params)
         seqs: list[Sequence] = []
         for i in range(params.n):
             seq = Sequence(list(token_ids), self.pool.block_size, budget=budget, params=params,
@@ -68,10 +69,12 @@ class Admission:
                     for _ in seqs]
         return Request(request_id, text, list(token_ids), params, seqs, checkers)
 
-    def budget(self, params: SamplingParams) -> KVBudget | None:
+    def budget(self, params: SamplingParams, prompt_len: int = 1) -> KVBudget | None:
         """The request's compression plan: its policy (the request's or the engine's), that
         policy's options with the engine's sink_len / recent_fraction, and its budget in blocks
-        (kv_budget tokens rounded up, or max_cache_blocks_per_seq); None = full KV."""
+        (kv_budget tokens rounded up, or max_cache_blocks_per_seq); None = full KV. The pool
+        must hold the budget and the next block, and with a longer prompt the budget and one
+        prefill chunk (max_num_batched_tokens)."""
         config, bs = self.config, self.pool.block_size
         if params.kv_budget == 0:
             return None
@@ -81,8 +84,16 @@ class Admission:
         policy = POLICIES[params.eviction_policy or config.eviction_policy]
         options = policy.options(config.sink_len, config.recent_fraction)
         budget = resolve_budget(policy, options, blocks, bs, config.query_cache_len)
+        peak = blocks + 1  # a prompt longer than the budget: the budget and one chunk between compactions
+        if prompt_len > budget.tokens:
+            peak = blocks + max(1, config.max_num_batched_tokens // bs)
         if blocks + 1 > self.pool.num_usable_blocks:
             raise ValueError(f"kv_budget of {blocks} blocks does not fit in the KV pool")
+        if peak > self.pool.num_usable_blocks:
+            raise ValueError(f"a prompt of {prompt_len} tokens with a kv_budget of {blocks} blocks needs {peak} "
+                             f"blocks at its peak (the budget and one prefill chunk of "
+                             f"max_num_batched_tokens={config.max_num_batched_tokens}); the KV pool has "
+                             f"{self.pool.num_usable_blocks}")
         return budget
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:

@@ -85,15 +85,15 @@ class BlockManager:
         if block.ref_count == 0:
             self.free_block_ids.append(block_id)  # keeps its hash: a later prompt may reuse it
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Admission: share the cached full blocks of the sequence's tokens (at least one token
-        is always left to compute). Returns the number of cached tokens."""
+    def match_prefix(self, seq: Sequence, max_blocks: int | None = None) -> int:
+        """Admission: share the cached full blocks of the sequence's tokens, at most `max_blocks`
+        (at least one token is always left to compute). Returns the number of cached tokens."""
         assert not seq.block_table
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
         prefix = None
-        for i in range((len(seq) - 1) // bs):
+        for i in range(min((len(seq) - 1) // bs, len(seq) if max_blocks is None else max_blocks)):
             tokens = tuple(seq.block_tokens(i))
             h = chain_hash(tokens, prefix)
             block_id = self.hash_to_block_id.get(h)

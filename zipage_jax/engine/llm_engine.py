@@ -91,7 +91,8 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        """Tokens a sequence may reach, prompt included."""
+        """Tokens a sequence with a KV budget may reach, prompt included (full KV: also at most
+        the pool's tokens, `pool.max_full_kv_len`)."""
         return self.pool.max_model_len
 
     # -- requests -----------------------------------------------------------------------
@@ -165,7 +166,7 @@ class LLMEngine:
         return results
 
     def _postprocess(self, results: list[StepResult], failures: list[RowFailure]) -> list[RequestOutput]:
-        collected = StepOutputs(self.requests, self.scheduler, self.pool.max_model_len)
+        collected = StepOutputs(self.requests, self.scheduler)
         for failure in failures:
             collected.fail(failure.chunk.seq, failure.error)
         for res in results:

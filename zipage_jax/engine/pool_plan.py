@@ -27,11 +27,17 @@ class KVPoolPlan:
     block_bytes: int  # one block of every layer's K and V, scales included
     num_blocks: int  # blocks of the pool, the dummy block 0 included
     num_query_slots: int  # rows of the query cache: sequences that may compress at once
-    max_model_len: int  # tokens a sequence may reach (prompt + output)
+    max_model_len: int  # tokens a sequence with a KV budget may reach (prompt + output): the positions
+    max_full_kv_len: int  # tokens a full-KV sequence may reach: the positions, or the pool if it holds fewer
 
     @property
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Blocks a sequence's table can hold: full KV at its limit (a budgeted sequence holds fewer)."""
+        return -(-self.max_full_kv_len // self.block_size)
 
 
 def plan_pool(config: EngineConfig, model: ModelConfig, model_dtype) -> KVPoolPlan:
@@ -44,15 +50,15 @@ def plan_pool(config: EngineConfig, model: ModelConfig, model_dtype) -> KVPoolPl
     num_blocks = config.num_kvcache_blocks or int(config.kvcache_memory_gb * 2**30 // block_bytes) + 1
     usable_tokens = (num_blocks - 1) * bs
     model_len = min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
-    if model_len > usable_tokens:
-        logger.warning("max_model_len %d exceeds the KV pool (%d tokens); using %d", model_len, usable_tokens,
-                       usable_tokens)
-        model_len = usable_tokens
+    full_kv_len = min(model_len, usable_tokens)
+    if full_kv_len < model_len:
+        logger.warning("the KV pool holds %d tokens: full-KV requests stop there; requests with a KV budget "
+                       "reach max_model_len %d", usable_tokens, model_len)
     m = config.max_cache_blocks_per_seq
     num_slots = config.max_num_seqs
     if m is not None and config.enable_hybrid_engine:
         num_slots = max(1, min(config.max_num_seqs, (num_blocks - 1) // (m + 1)))
-    return KVPoolPlan(bs, np.dtype(kv_dtype), kv_heads, block_bytes, num_blocks, num_slots, model_len)
+    return KVPoolPlan(bs, np.dtype(kv_dtype), kv_heads, block_bytes, num_blocks, num_slots, model_len, full_kv_len)
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_dtype) -> int:

@@ -20,8 +20,8 @@ logger = logging.getLogger("zipage_jax")
 
 
 class StepOutputs:
-    def __init__(self, requests: dict[str, Request], scheduler: Scheduler, max_model_len: int):
-        self.requests, self.scheduler, self.max_model_len = requests, scheduler, max_model_len
+    def __init__(self, requests: dict[str, Request], scheduler: Scheduler):
+        self.requests, self.scheduler = requests, scheduler
         self.touched: dict[str, Request] = {}
         self.deltas: dict[int, tuple[str, list[int], list[TokenLogprob]]] = {}  # by seq_id
         self.num_tokens = 0  # tokens that joined a running request
@@ -46,8 +46,8 @@ class StepOutputs:
             request.logprobs[seq.index].append(logprob)
         checker = request.checkers[seq.index]
         delta, reason = checker.append(res.token_id)
-        if reason is None and seq.num_known_tokens >= self.max_model_len:
-            reason = "length"
+        if reason is None and seq.num_known_tokens >= seq.max_len:
+            reason = "length"  # the sequence's length limit (max_model_len, or the pool for full KV)
         text, ids, lps = self.deltas.setdefault(seq.seq_id, ("", [], []))
         ids.append(res.token_id)
         if logprob is not None:

@@ -181,7 +181,7 @@ class ModelRunner:
         self.row_size = config.row_size
         self.vocab_size = mc.vocab_size
         self.backend = Backend.resolve(config.attention_backend, jax.default_backend())
-        self.max_blocks = -(-pool.max_model_len // bs)  # blocks a sequence can hold
+        self.max_blocks = pool.max_blocks_per_seq
         self.page = xla_page_size(bs)
         self.eos_token_ids = eos_token_ids
         self.suppress_width = bucket(MAX_STOP_TOKEN_IDS + len(eos_token_ids))
@@ -345,8 +345,13 @@ class ModelRunner:
         slots = table[phys // bs] * bs + phys % bs
         query_index = np.full(n, pad_query, np.int32)
         if seq.query_slot is not None:
+            # the query tail of the chunk's last block that has one: a compaction scores with the
+            # queries of the sequence's newest full block (one write per query row and step)
             offset = phys % bs - query_tail_start(bs, ql)
-            query_index = np.where(offset >= 0, seq.query_slot * ql + offset, pad_query)
+            tails = phys[offset >= 0] // bs
+            if len(tails):
+                cached = (offset >= 0) & (phys // bs == tails.max())
+                query_index = np.where(cached, seq.query_slot * ql + offset, pad_query)
         positions = chunk.start + np.arange(n)
         n_rows = -(-n // c)
         SamplingArrays.check(srow, self.suppress_width)

@@ -4,7 +4,11 @@ FCFS; running sequences first (decodes and prefill chunks), then admission from 
 queue, all under `max_num_batched_tokens`. Prefill chunks are laid over rows of
 `prefill_row_size` tokens, and a step holds at most max_num_batched_tokens / prefill_row_size
 prefill rows, so the prefill step's shape stays within the compiled grid. A sequence at its KV budget is compressed instead
-of growing; compressed sequences are suspended, never preempted. Preemption is by recompute,
+of growing, in prefill too: while a sequence computes its prompt it holds at most its budget
+and one chunk's blocks (`chunk_blocks` = max_num_batched_tokens / block size), and compacts
+whenever it reaches that; once past its prompt, whenever its M + 1 blocks are full. Both points
+depend on the sequence alone, not on how its prompt was cut into chunks, so a request's output
+does not depend on the batch it ran in. Compressed sequences are suspended, never preempted. Preemption is by recompute,
 the victim being the most recently admitted sequence that may be preempted. A sequence whose
 last token is sampled (perhaps still on its way to the host) is not scheduled again.
 """
@@ -92,6 +96,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_compress_seqs = max_compress_seqs
         self.prefill_row_size = prefill_row_size
+        self.chunk_blocks = max(1, max_num_batched_tokens // block_manager.block_size)
         self.query_slots = Slots(num_query_slots, "query_slot")
         self.state_slots = Slots(max_num_seqs, "state_slot")
         self.waiting: deque[Sequence] = deque()
@@ -140,7 +145,7 @@ class Scheduler:
             parent = seq.parent
             if parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens:
                 break  # a sibling of n > 1 shares the prompt blocks once they are cached
-            cached = self.block_manager.match_prefix(seq)
+            cached = self.block_manager.match_prefix(seq, self._max_cached_blocks(seq))
             n = min(self._chunk_size(seq, budget), self._capacity(seq))
             if n == 0 or not self.block_manager.allocate_slots(seq, n):
                 self.block_manager.free(seq)
@@ -158,18 +163,37 @@ class Scheduler:
         return out
 
     def _needs_compression(self, seq: Sequence) -> bool:
+        """Every block full, at the budget and one chunk in the prompt, at the budget and the next
+        block after it: the next token needs a block."""
         m = seq.budget_blocks
-        return (m is not None and not seq.in_prefill and len(seq.block_table) >= m + 1
-                and seq.num_kv_slots == len(seq.block_table) * self.block_manager.block_size)
+        if m is None or seq.num_kv_slots != len(seq.block_table) * self.block_manager.block_size:
+            return False
+        return len(seq.block_table) >= m + (self.chunk_blocks if self._in_prompt(seq) else 1)
+
+    @staticmethod
+    def _in_prompt(seq: Sequence) -> bool:
+        return seq.num_computed_tokens < seq.num_prompt_tokens
 
     def _chunk_size(self, seq: Sequence, budget: StepBudget) -> int:
-        """Tokens to compute now, within the step's tokens and prefill rows; stops before a query
-        tail when no query slot is free."""
-        n = budget.limit(seq.num_uncomputed_tokens)
+        """Tokens to compute now, within the step's tokens and prefill rows; a budgeted prompt
+        chunk stops where the sequence holds its budget and one chunk (it compacts there);
+        stops before a query tail when no query slot is free."""
+        n = self._within_prompt_peak(seq, budget.limit(seq.num_uncomputed_tokens))
         tail = seq.first_query_tail_slot()
         if tail is not None and tail < seq.num_kv_slots + n and not self.query_slots.acquire(seq):
             n = max(0, tail - seq.num_kv_slots)
         return n
+
+    def _max_cached_blocks(self, seq: Sequence) -> int | None:
+        """A budgeted sequence shares fewer prefix-cache blocks than its prompt peak, so it
+        compacts at the same positions as without the cache."""
+        return None if seq.budget is None else seq.budget.blocks + self.chunk_blocks - 1
+
+    def _within_prompt_peak(self, seq: Sequence, n: int) -> int:
+        if seq.budget is None or not self._in_prompt(seq):
+            return n
+        room = (seq.budget.blocks + self.chunk_blocks) * self.block_manager.block_size - seq.num_kv_slots
+        return min(n, room)
 
     def _capacity(self, seq: Sequence) -> int:
         """Slots the sequence can still write without preempting anyone."""
