@@ -187,20 +187,26 @@ def engine_group(policy: str, kv_cache_dtype: str = "auto") -> tuple:
 def teacher_force(llm, jobs: list[Job], budgets: list[int], policies: list[str]) -> list[JobResult]:
     """Runs `jobs` at once; budgets[i], policies[i]: kv_budget tokens (0 = full KV) and policy of
     jobs[i], whose engine options must be `llm`'s (see engine_group)."""
+    return [job_result(llm, job, out) for job, out in zip(jobs, run_jobs(llm, jobs, budgets, policies))]
+
+
+def run_jobs(llm, jobs: list[Job], budgets: list[int], policies: list[str]) -> list[dict]:
+    """`llm.generate`'s outputs for `jobs`: each prompt, its forced tokens (with their
+    log-probabilities), then its free greedy tokens."""
     from zipage_jax import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=len(job.forced) + job.free, ignore_eos=True, logprobs=0,
                              kv_budget=budget, eviction_policy=VARIANTS[policy].get("eviction_policy"),
                              forced_token_ids=job.forced)
               for job, budget, policy in zip(jobs, budgets, policies)]
-    outs = llm.generate([job.prompt for job in jobs], params, use_tqdm=False)
-    results = []
-    for job, out in zip(jobs, outs):
-        n = len(job.forced)
-        logprobs = np.array([lp["logprob"] for lp in out["logprobs"][:n]], np.float64)
-        free = out["token_ids"][n:]
-        results.append(JobResult(logprobs, free, llm.tokenizer.decode(free)))
-    return results
+    return llm.generate([job.prompt for job in jobs], params, use_tqdm=False)
+
+
+def job_result(llm, job: Job, out: dict) -> JobResult:
+    n = len(job.forced)
+    logprobs = np.array([lp["logprob"] for lp in (out["logprobs"] or [])[:n]], np.float64)
+    free = out["token_ids"][n:]
+    return JobResult(logprobs, free, llm.tokenizer.decode(free))
 
 
 # -- workloads ---------------------------------------------------------------------------------

@@ -1,0 +1,125 @@
+"""scripts/eval_long_prompt.py plumbing: passkey prompts and scoring with fake outputs, and --smoke
+end to end on a tiny random model."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import eval_long_prompt as elp  # noqa: E402
+import eval_quality as eq  # noqa: E402
+
+
+class _CharTokenizer:
+    """One token per character (ids are code points), so prompt lengths and depths are exact."""
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def _outcome(text="", logprobs=(), peak=8, compressions=0):
+    return elp.Outcome(eq.JobResult(np.array(logprobs, float), [], text),
+                       {"kv_blocks_peak": peak, "num_compressions": compressions})
+
+
+@pytest.mark.parametrize("depth", [0.1, 0.5, 0.9])
+def test_passkey_prompt_has_the_length_and_the_key_at_its_depth(depth):
+    tok = _CharTokenizer()
+    filler = tok("The grass is green. The sky is blue. ")["input_ids"]
+    ids, actual = elp.passkey_prompt(tok, filler, 3000, depth, "12345")
+    text = tok.decode(ids)
+    assert len(ids) == 3000 and text.startswith(elp.INTRO) and text.endswith(elp.QUESTION)
+    assert text.count("12345") == 2
+    at = text.index(elp.NEEDLE.format(key="12345"))
+    assert actual == at / 3000
+    assert abs(at / 3000 - depth) < 0.03  # a sentence end at most 37 characters before the depth
+    assert at == len(elp.INTRO) or text[at - 1] in ". \n"  # after a sentence, never inside a word
+
+
+def test_passkey_cases_differ_between_splits(monkeypatch):
+    tok = _CharTokenizer()
+    monkeypatch.setattr(elp, "filler_text", lambda split, t: (split, f"Filler of {split}. "))
+    dev = elp.passkey_cases(tok, "dev", [400, 600], [0.1, 0.9], 2, free=5)
+    held = elp.passkey_cases(tok, "heldout", [400, 600], [0.1, 0.9], 2, free=5)
+    assert [(c.length, c.depth, c.name) for c in dev] == [(n, d, f"trial{k}") for n in (400, 600)
+                                                          for d in (0.1, 0.9) for k in range(2)]
+    assert all(len(c.job.prompt) == c.length and not c.job.forced and c.job.free == 5 for c in dev + held)
+    assert {c.job.answer for c in dev}.isdisjoint({c.job.answer for c in held})  # other seeds
+    assert all(len(c.job.answer) == 5 and c.job.answer in tok.decode(c.job.prompt) for c in dev + held)
+    assert "Filler of heldout" in tok.decode(held[0].job.prompt) and held[0].split == "heldout"
+
+
+def test_passkey_scoring_relative_to_full_kv():
+    jobs = [eq.Job("passkey", [1], [], free=6, answer=k, kind="passkey") for k in ("11111", "22222", "33333")]
+    full = [_outcome(" 11111."), _outcome(" 22222. Remember"), _outcome(" 9")]  # full KV misses the third
+    mine = [_outcome(" 11111", peak=12, compressions=3), _outcome(" 2222", peak=13, compressions=4),
+            _outcome("key is 33333", peak=12, compressions=3)]
+    row = elp.passkey_row(mine, full, jobs)
+    assert (row["accuracy"], row["correct"], row["full_correct"], row["both_correct"]) == (2 / 3, 2, 2, 1)
+    assert row["relative_accuracy"] == 0.5  # of the two full KV gets right, one
+    assert elp.passkey_row(mine, [_outcome("no")] * 3, jobs)["relative_accuracy"] is None
+    peaks = elp.peak_fields(mine, [_outcome(peak=126)] * 3)
+    assert (peaks["kv_blocks_peak"], peaks["kv_blocks_peak_full"], peaks["num_compressions_max"]) == (13, 126, 4)
+    assert peaks["num_compressions_mean"] == pytest.approx(10 / 3)
+
+
+def test_continuation_ratio_is_full_over_compressed_perplexity():
+    jobs = [eq.Job("text:a", [1], [2, 3], kind="code"), eq.Job("text:b", [1], [4, 5], kind="prose")]
+    full = [_outcome(logprobs=np.log([0.5, 0.5])), _outcome(logprobs=np.log([0.5, 0.5]))]
+    mine = [_outcome(logprobs=np.log([0.25, 0.5])), _outcome(logprobs=np.log([0.5, 0.5]))]
+    row = elp.continuation_row("streaming", mine, full, jobs)
+    assert row["ppl_ratio"] == pytest.approx(0.5 ** (1 / 4))  # pooled: exp(-(log 2) / 4 tokens)
+    assert row["ppl_full"] == pytest.approx(2.0) and row["forced_tokens"] == 4 and row["docs"] == ["a", "b"]
+
+
+def test_arguments():
+    args = elp.parse_args([])
+    assert (args.split, args.policies, args.budgets, args.lengths, args.depths, args.trials, args.chunk) == (
+        "heldout", ["vnorm-window", "zipage", "streaming"], [256, 512], [4000, 8000], [0.1, 0.5, 0.9], 2, 512)
+    assert elp.blocks_bound(512, args) == 16 + 16 + 1
+    quick = elp.parse_args(["--quick", "--split", "dev"])
+    assert quick.lengths == [4000] and quick.trials == 1 and quick.budgets == [512] and quick.split == "dev"
+    assert elp.parse_args(["--doc-lengths"]).doc_lengths == []
+    for bad in (["--budgets", "8"], ["--depths", "1.5"], ["--quick", "--smoke"], ["--policies", "full"],
+                ["--trials", "0", "--num-docs", "0"]):
+        with pytest.raises(SystemExit):
+            elp.parse_args(bad)
+
+
+def test_smoke_end_to_end(tiny_model_factory, model_cache_dir, monkeypatch, capsys):
+    """Full KV and streaming at 64 tokens on a 320-token passkey prompt and a 128-token dev text
+    prefilled in chunks of 64: rows, metrics, the tables and the JSON line."""
+    monkeypatch.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
+    model = str(tiny_model_factory("llama"))
+    rows, workloads = elp.main(["--model", model, "--smoke", "--split", "dev", "--json"])
+    got = {(r["task"], r["policy"], r["budget_tokens"]): r for r in rows}
+    assert set(got) == {(t, p, b) for t in ("passkey", "continuation") for p, b in (("full", 0), ("streaming", 64))}
+    for task in ("passkey", "continuation"):
+        full, mine = got[task, "full", 0], got[task, "streaming", 64]
+        assert full["num_compressions_max"] == 0 and mine["num_compressions_max"] >= 1
+        assert full["kv_blocks_peak"] == full["kv_blocks_peak_full"] >= 8  # 128+ tokens in blocks of 16
+        assert mine["kv_blocks_bound"] == 4 + 4 + 1
+    assert got["continuation", "full", 0]["ppl_ratio"] == 1.0
+    assert 0 < got["continuation", "streaming", 64]["ppl_ratio"] != 1.0
+    assert got["passkey", "streaming", 64]["depth"] == 0.5 and got["passkey", "full", 0]["requests"] == 1
+    assert [(c["task"], c["prompt_tokens"], c["forced_tokens"]) for c in workloads["cases"]] == [
+        ("passkey", 320, 0), ("continuation", 128, 16)]
+    out = capsys.readouterr().out.strip().splitlines()
+    data = json.loads(out[-1])
+    assert len(data["results"]) == 4 and "commit" in data["run"] and data["timings"]["total"] > 0
+    assert any(line.startswith("| dev | streaming | 64 | 320 |") for line in out)
+    assert any(line.startswith("| dev | streaming | 64 | 128 |") for line in out)
+
+
+def test_heldout_filler_is_a_license_without_digits():
+    name, text = elp.filler_text("heldout", _CharTokenizer())
+    assert name in {n for n, _ in eq.heldout_candidates()["license"]} and name not in eq.STDLIB_TEXTS
+    assert len(text) >= 1024 and not any(c.isdigit() for c in text)
+    assert elp.filler_text("dev", _CharTokenizer())[1] == eq.PASSKEY_FILLER
