@@ -84,9 +84,9 @@ class Admission:
         policy = POLICIES[params.eviction_policy or config.eviction_policy]
         options = policy.options(config.sink_len, config.recent_fraction)
         budget = resolve_budget(policy, options, blocks, bs, config.query_cache_len)
-        peak = blocks + 1  # a prompt longer than the budget: the budget and one chunk between compactions
-        if prompt_len > budget.tokens:
-            peak = blocks + max(1, config.max_num_batched_tokens // bs)
+        # a prompt longer than the budget holds up to the budget and one chunk between compactions
+        chunk_peak = min(blocks + max(1, config.max_num_batched_tokens // bs), -(-prompt_len // bs))
+        peak = max(blocks + 1, chunk_peak)
         if blocks + 1 > self.pool.num_usable_blocks:
             raise ValueError(f"kv_budget of {blocks} blocks does not fit in the KV pool")
         if peak > self.pool.num_usable_blocks:
