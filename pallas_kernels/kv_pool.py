@@ -24,10 +24,6 @@ class KVPool(NamedTuple):
     def block_size(self) -> int:
         return self.k.shape[1]
 
-    @property
-    def quantized(self) -> bool:
-        return self.k_scales is not None
-
     def reshape_pages(self, page: int) -> "KVPool":
         """[NB, BS, ...] -> [NB * BS / page, page, ...] for every array: flat slot ids are unchanged."""
         return KVPool(*(None if a is None else a.reshape((-1, page) + a.shape[2:]) for a in self))

@@ -106,7 +106,6 @@ def compress(
     Returns:
       The layers' pools after compaction (see the module docstring).
     """
-    backend = Backend.parse(backend)
     _check(layers, query_caches, block_tables, num_blocks, query_ids, compressed, target_tables, rows, cfg)
     return [compress_layer(pools, query_cache, block_tables, num_blocks, query_ids, compressed, target_tables,
                            rows, cfg, backend)[0]
