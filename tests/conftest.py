@@ -1,9 +1,11 @@
-"""Session-wide fixtures: tiny saved models (built once per session) and a private param cache."""
+"""Session-wide fixtures: tiny saved models (built once per session), a private param cache and
+a private compilation cache."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import pytest
 
 from tiny_models import ARCHS, save_tiny_model
@@ -34,3 +36,13 @@ def tiny_model_dir(request, tiny_model_factory) -> Path:
 def model_cache_dir(tmp_path_factory) -> Path:
     """A converted-parameter cache for this session only (never ~/.cache)."""
     return tmp_path_factory.mktemp("zipage_jax_cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_compilation_cache(tmp_path_factory) -> Path:
+    """JAX's persistent compilation cache for this session only: the suite never loads an
+    executable that another process (an older checkout, a benchmark, another machine) wrote."""
+    directory = tmp_path_factory.mktemp("xla")
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return directory

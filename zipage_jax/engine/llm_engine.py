@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.admission import Admission
 from zipage_jax.engine.block_manager import BlockManager
+from zipage_jax.engine.compilation_cache import enable_compilation_cache
 from zipage_jax.engine.outputs import RequestOutput
 from zipage_jax.engine.pool_plan import plan_pool
 from zipage_jax.engine.postprocess import StepOutputs
@@ -21,7 +22,6 @@ from zipage_jax.engine.runner import ModelRunner, PendingBatch, RowFailure, Step
 from zipage_jax.engine.scheduler import Scheduler, SchedulerOutput
 from zipage_jax.engine.stats import EngineStats
 from zipage_jax.models.loading import LoadedModel, load_model
-from zipage_jax.models.param_cache import default_cache_dir
 from zipage_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger("zipage_jax")
@@ -35,16 +35,6 @@ class _InFlight:
     dispatched_at: float
     num_prefill: int
     num_decode: int
-
-
-def enable_compilation_cache(directory: str | None) -> None:
-    """JAX's persistent compilation cache, so a restart does not compile every bucket again."""
-    if directory == "" or jax.config.jax_compilation_cache_dir:
-        return
-    if directory is None:
-        directory = str(default_cache_dir() / "xla")
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 class LLMEngine:
