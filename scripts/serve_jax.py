@@ -4,7 +4,8 @@
 
 Every EngineConfig field is a flag (--max-num-seqs, --num-kvcache-blocks, ...). The server
 answers at once; /health is 503 until the model has loaded, then 200. Exits with status 1 if
-the model fails to load.
+the model fails to load. Request counts are unbounded unless a --max-* flag below bounds them,
+as in vLLM; docs/openai-compatibility.md lists every parameter and route.
 """
 
 from __future__ import annotations

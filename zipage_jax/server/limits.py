@@ -13,7 +13,8 @@ from typing import Any
 
 from zipage_jax.server.errors import OpenAIError
 from zipage_jax.server.protocol import (
-    LIMIT_FLAG, MESSAGES_FLAG, PROMPTS_FLAG, STOP_CHARS_FLAG, STOP_STRINGS_FLAG, CompletionRequest, SamplingFields)
+    LIMIT_FLAG, MESSAGES_FLAG, PROMPTS_FLAG, STOP_CHARS_FLAG, STOP_STRINGS_FLAG, ChatCompletionRequest, CompletionRequest,
+    SamplingFields)
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,8 @@ class RequestLimits:
         _refuse_over("stop", len(stop), self.max_stop_strings, STOP_STRINGS_FLAG, "{} strings")
         _refuse_over("stop", max(map(len, stop), default=0), self.max_stop_chars, STOP_CHARS_FLAG,
                      "a string of {} characters")
-        messages = getattr(body, "messages", None)
-        if messages is not None:
-            self.check_messages(messages)
+        if isinstance(body, ChatCompletionRequest):
+            self.check_messages(body.messages)
 
     def check_messages(self, messages: list) -> None:
         _refuse_over("messages", len(messages), self.max_chat_messages, MESSAGES_FLAG, "{} messages")
