@@ -4,7 +4,8 @@
 
 Every EngineConfig field is a flag (--max-num-seqs, --num-kvcache-blocks, ...). The server
 answers at once; /health is 503 until the model has loaded, then 200. Exits with status 1 if
-the model fails to load.
+the model fails to load. Request counts are unbounded unless a --max-* flag below bounds them,
+as in vLLM; docs/openai-compatibility.md lists every parameter and route.
 """
 
 from __future__ import annotations
@@ -20,7 +21,18 @@ from zipage_jax.config import EngineConfig
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import MAX_N
 from zipage_jax.server import create_app
+from zipage_jax.server.limits import FLAGS, RequestLimits
 from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES
+
+# What each RequestLimits flag bounds; all are unbounded unless given, as in vLLM.
+_LIMITS_HELP = {
+    "max_prompts": "prompts in one /v1/completions request (without a bound, any number are queued under "
+                   "--max-num-seqs)",
+    "max_stop_strings": "stop strings in one request (each costs the stop checker work per generated token: bound "
+                        "it when clients are not trusted)",
+    "max_stop_chars": "characters in one stop string",
+    "max_chat_messages": "messages in one chat request (and in /tokenize's chat form)",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                         help="larger request bodies are answered 413 unread "
                              f"(default: {DEFAULT_MAX_REQUEST_BYTES}, 4 MiB)")
+    for field, flag in FLAGS.items():
+        parser.add_argument(flag, dest=field, type=int, default=None, metavar="N",
+                            help=f"the most {_LIMITS_HELP[field]}; more is answered 400 (default: unbounded)")
     add_engine_arguments(parser)
     add_distributed_arguments(parser)
     args = parser.parse_args(argv)
@@ -50,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # bad flags fail here, before binding the port
         EngineConfig.from_options(**options)
+        limits = RequestLimits(**{field: getattr(args, field) for field in FLAGS})
         app = create_app(lambda: LLMEngine(**options), args.served_model_name or [options["model"]],
-                         on_load_error, max_n=args.max_n, max_request_bytes=args.max_request_bytes)
+                         on_load_error, max_n=args.max_n, max_request_bytes=args.max_request_bytes, limits=limits)
         start_distributed(args)
     except ValueError as exc:
         parser.error(str(exc))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from jinja2 import TemplateError
 
 
@@ -10,6 +12,17 @@ def chat_prompt_ids(tokenizer, messages: list[dict], max_length: int | None = No
     (at most the first `max_length` of them, if given).
 
     Raises ValueError naming the problem (empty messages, no template, template rejection)."""
+    limit = {} if max_length is None else {"truncation": True, "max_length": max_length}
+    ids = _render(tokenizer, messages, add_generation_prompt=True, tokenize=True, **limit)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def chat_prompt_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """`messages` rendered with the model's template (raises as chat_prompt_ids)."""
+    return _render(tokenizer, messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def _render(tokenizer, messages: list[dict], **options: Any) -> Any:
     if not messages:
         raise ValueError("messages is empty")
     for m in messages:
@@ -18,8 +31,6 @@ def chat_prompt_ids(tokenizer, messages: list[dict], max_length: int | None = No
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template")
     try:
-        limit = {} if max_length is None else {"truncation": True, "max_length": max_length}
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **limit)
+        return tokenizer.apply_chat_template(messages, **options)
     except TemplateError as exc:
         raise ValueError(f"the chat template rejected the messages: {exc}") from exc
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -1,8 +1,10 @@
 """Per-request sampling options, with vLLM's names and defaults, validated at construction.
 
-Every field is bounded here, independently of the model, so that no value can overflow the
-arrays the sampler stores it in (int32 ids and counts, uint32 seeds, float32 reals) or make
-one sequence's host work unbounded; the engine adds the model's bounds (vocabulary, batch).
+Every number is bounded here, independently of the model, so that no value can overflow the
+arrays the sampler stores it in (int32 ids and counts, uint32 seeds, float32 reals); the engine
+adds the model's bounds (vocabulary, batch). How many stop strings, and how long, is the
+caller's policy (the server's --max-stop-strings, --max-stop-chars): the stop checker's work
+per token grows with their number and with the new text only.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from zipage_jax.layers.sampler import MAX_LOGPROBS
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
 EVICTION_POLICIES = tuple(POLICIES)  # the names eviction_policy takes
 MAX_N = 128  # completions per request (OpenAI's limit); engines and servers may allow fewer
-MAX_STOP = 16  # stop strings per request
-MAX_STOP_CHARS = 256  # characters per stop string (the stop checker scans the text tail per token)
 MAX_STOP_TOKEN_IDS = 64  # the sampler's suppress rows have a fixed width
 INT32_MAX = 2**31 - 1  # token ids, top_k, token counts and kv_budget are int32 on the device
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # an int64, as OpenAI's seed
@@ -117,11 +117,7 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
         raise ValueError(f"stop must be a string or a list of strings, got {_short(stop)}")
     if not all(strings):
         raise ValueError(f"stop must not contain an empty string, got {_short(stop)}")
-    if len(strings) > MAX_STOP:
-        raise ValueError(f"stop holds {len(strings)} strings, more than {MAX_STOP}")
     for s in strings:
-        if len(s) > MAX_STOP_CHARS:
-            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
         check_text("stop", s)
     return tuple(strings)
 

@@ -72,8 +72,6 @@ def test_frozen():
         ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
         ({"stop": ["a", 3]}, r"stop must be a string or a list of strings, got \['a', 3\]"),
         ({"stop": ["a", ""]}, "stop must not contain an empty string"),
-        ({"stop": ["a"] * 17}, "stop holds 17 strings, more than 16"),
-        ({"stop": "a" * 257}, "stop strings must be at most 256 characters, got one of 257"),
         ({"stop": ["ok", "\ud800"]}, r"stop is not valid Unicode \(a lone surrogate at index 0\)"),
         ({"stop_token_ids": [1, -1]}, r"stop_token_ids must be a list of integers in \[0, 2147483647\]"),
         ({"stop_token_ids": [2**40]}, r"stop_token_ids must be a list of integers in \[0, 2147483647\], got \[1099511627776\]"),

@@ -1,9 +1,11 @@
 """StopChecker with the default model's tokenizer (SmolLM2 byte-level BPE, from its GGUF)."""
 
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
-from zipage_jax.engine.stop_checker import StopChecker
+from zipage_jax.engine.stop_checker import StopChecker, StopPrefix
 from zipage_jax.models.loading import resolve_source
 from zipage_jax.sampling_params import SamplingParams as SP
 
@@ -172,3 +174,27 @@ def test_append_after_finish_raises(tok, eos):
     assert checker.append(tok.encode("Hi")[0]) == ("Hi", "length")
     with pytest.raises(RuntimeError, match="already finished"):
         checker.append(5)
+
+
+def _naive_held(text: str, stop: str) -> int:
+    return max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+
+
+def test_stop_prefix_tracks_the_longest_held_back_tail():
+    rng = random.Random(0)
+    for _ in range(300):
+        stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 8)))
+        prefix, text = StopPrefix(stop), ""
+        for _ in range(rng.randint(1, 12)):  # text arrives in pieces, as tokens decode
+            piece = "".join(rng.choice("abc") for _ in range(rng.randint(0, 4)))
+            prefix.feed(piece)
+            text += piece
+            assert prefix.held == _naive_held(text, stop), (stop, text)
+
+
+def test_a_long_stop_string_is_held_back_while_it_may_still_match(tok, eos):
+    stop = "The answer is 42. " * 500  # 9,000 characters
+    ids = tok.encode("The answer is 42. The answer is 42. Then")
+    checker, deltas, _ = _feed(tok, SP(max_tokens=len(ids) + 1, stop=stop), ids, eos)
+    assert deltas[-1].endswith("Then") and "".join(deltas) == "The answer is 42. The answer is 42. Then"
+    assert "".join(deltas[:-1]) == ""  # until "Then", all of it could still begin the stop string

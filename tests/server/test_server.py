@@ -359,7 +359,8 @@ def test_script_rejects_bad_engine_flags(capsys):
 
 @pytest.mark.parametrize("flag, value, message", [("--max-n", "0", "max_n must be in [1, 128], got 0"),
                                                   ("--max-n", "129", "max_n must be in [1, 128], got 129"),
-                                                  ("--max-request-bytes", "0", "max_request_bytes must be >= 1")])
+                                                  ("--max-request-bytes", "0", "max_request_bytes must be >= 1"),
+                                                  ("--max-stop-strings", "0", "--max-stop-strings must be >= 1")])
 def test_script_rejects_bad_server_flags(capsys, flag, value, message):
     with pytest.raises(SystemExit) as exit_info:
         _serve_script().main([flag, value])

@@ -38,10 +38,12 @@ def document(server) -> dict:
 def test_every_route_documents_what_it_answers(document):
     paths = document["paths"]
     statuses = {(path, method): sorted(op["responses"]) for path, item in paths.items() for method, op in item.items()}
-    generation = ["200", "400", "404", "413", "500", "503"]
+    with_body = ["200", "400", "404", "413", "500", "503"]
     assert statuses == {("/health", "get"): ["200", "500", "503"], ("/v1/models", "get"): ["200", "500"],
-                        ("/metrics", "get"): ["200", "500"], ("/v1/completions", "post"): generation,
-                        ("/v1/chat/completions", "post"): generation}
+                        ("/v1/models/{model_id}", "get"): ["200", "404", "500"], ("/version", "get"): ["200", "500"],
+                        ("/metrics", "get"): ["200", "500"], ("/v1/completions", "post"): with_body,
+                        ("/v1/chat/completions", "post"): with_body, ("/tokenize", "post"): with_body,
+                        ("/detokenize", "post"): with_body}
     schemas = document["components"]["schemas"]
     for (path, method), codes in statuses.items():
         op = paths[path][method]

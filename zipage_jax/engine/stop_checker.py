@@ -16,7 +16,9 @@ and from `.text`) until it is resolved, so streamed text never has to be taken b
 
 Work per token is constant in the output length: the tokenizer's special ids are read once per
 engine, and only a window of the text past what was emitted is kept as one string (a stop
-string can only start at or after the emitted text); the rest is kept as emitted pieces.
+string can only start at or after the emitted text); the rest is kept as emitted pieces. The
+held-back tail is tracked per stop string as text arrives (`StopPrefix`), so a long stop
+string costs its new characters per token, not its length squared.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class StopChecker:
         self._read_offset = len(self._tokens)
         self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
         self._emitted = 0  # characters of .text already returned as deltas
+        held = () if params.include_stop_str_in_output else params.stop
+        self._prefixes = [StopPrefix(stop) for stop in dict.fromkeys(held)]
 
     def append(self, token_id: int) -> tuple[str, str | None]:
         """Adds one sampled token; returns (new text safe to stream, finish reason or None)."""
@@ -64,7 +68,10 @@ class StopChecker:
         if not is_stop_token or params.include_stop_str_in_output:
             self._tokens.extend(self._to_tokens([token_id]))
         checked = len(self._text)
-        self._text += self._decode(flush=ends)
+        added = self._decode(flush=ends)
+        self._text += added
+        for prefix in self._prefixes:
+            prefix.feed(added)
         if not (may_stop and self._match_stop_string(checked)):
             if is_stop_token:
                 self._finish("stop", None if is_eos else token_id)
@@ -110,16 +117,45 @@ class StopChecker:
         return True
 
     def _held_back(self) -> int:
-        # length of the longest tail of the text that begins a stop string and may still complete it
-        if self.params.include_stop_str_in_output:
-            return 0
-        longest = 0
-        for stop in self.params.stop:
-            for n in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+        # the longest tail of the text that begins a stop string and may still complete it
+        return max((prefix.held for prefix in self._prefixes), default=0)
 
     def _finish(self, reason: str, stop_reason: str | int | None) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason
+
+
+class StopPrefix:
+    """The longest proper prefix of `stop` that the text fed so far ends with (Knuth-Morris-Pratt:
+    amortised constant work per character fed)."""
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self._border = _borders(stop)
+        self._matched = 0  # the longest prefix of stop the text ends with (len(stop): a whole match)
+
+    def feed(self, text: str) -> None:
+        stop, border, k = self.stop, self._border, self._matched
+        for ch in text:
+            if k == len(stop):
+                k = border[k - 1]
+            while k and stop[k] != ch:
+                k = border[k - 1]
+            if stop[k] == ch:
+                k += 1
+        self._matched = k
+
+    @property
+    def held(self) -> int:
+        return self._matched if self._matched < len(self.stop) else self._border[-1]
+
+
+def _borders(s: str) -> list[int]:
+    """border[i]: the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    border, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = border[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        border[i] = k
+    return border

@@ -5,21 +5,20 @@
 
 The model loads in the engine thread once the app starts; until then /health answers 503.
 Request bodies are parsed, chat templates rendered and prompts tokenized in a Preprocessor
-thread, never on the event loop.
+thread, never on the event loop. Besides OpenAI's routes it serves vLLM's /tokenize,
+/detokenize and /version (docs/openai-compatibility.md lists what is supported).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import importlib.metadata
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
 
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import MAX_N, SamplingParams
@@ -27,38 +26,40 @@ from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
 from zipage_jax.server.errors import OpenAIError, install_error_handlers
 from zipage_jax.server.formats import ChatFormat, CompletionFormat
 from zipage_jax.server.generation import EventStream, Generation, until_disconnected
+from zipage_jax.server.limits import RequestLimits
 from zipage_jax.server.metrics import ServerMetrics
 from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from zipage_jax.server.openapi import (
-    ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Health, ModelList, install_openapi, request_body,
-    responses)
+    ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk, Health, ModelCard, ModelList, Version,
+    install_openapi, path_parameter, request_body, responses)
 from zipage_jax.server.preprocess import Preprocessor
-from zipage_jax.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from zipage_jax.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeChatRequest,
+    TokenizeCompletionRequest, TokenizeRequest)
+from zipage_jax.server.served import ServedModels
+from zipage_jax.server.tokenization import add_tokenization_routes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CLIENT_CLOSED = 499
 _GENERATION_ERRORS = (400, 404, 413, 500, 503)
 
-Body = TypeVar("Body", bound=BaseModel)
-
 
 def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list[str],
                on_load_error: Callable[[BaseException], None] | None = None, *, max_n: int = MAX_N,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: RequestLimits | None = None) -> FastAPI:
     """`max_n` caps n (never above MAX_N, nor the engine's max_num_seqs); a body over
-    `max_request_bytes` is answered 413 unread."""
-    if not served_model_names:
-        raise ValueError("served_model_names is empty")
+    `max_request_bytes` is answered 413 unread; `limits` bounds other counts (default: none)."""
+    served = ServedModels(served_model_names)
+    limits = limits or RequestLimits()
     if not 1 <= max_n <= MAX_N:
         raise ValueError(f"max_n must be in [1, {MAX_N}], got {max_n}")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    names = list(served_model_names)
-    metrics = ServerMetrics(names[0], lambda: engine_loop.stats)
+    metrics = ServerMetrics(served.names[0], lambda: engine_loop.stats)
     preprocessor = Preprocessor()
     engine_loop = EngineLoop(engine_factory, observer=metrics, on_load_error=on_load_error,
                              on_loaded=preprocessor.prepare)
-    created = int(time.time())
+    version = _package_version()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -73,7 +74,8 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
     app.state.metrics = metrics
     app.state.preprocessor = preprocessor
     install_error_handlers(app)
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest], names)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, TokenizeCompletionRequest,
+                          TokenizeChatRequest, DetokenizeRequest], served.names, limits)
 
     def ready_engine() -> LLMEngine:
         if not engine_loop.ready.is_set():
@@ -81,18 +83,16 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
                               else "the model failed to load (the server's log says why)")
         return engine_loop.engine
 
-    async def parse(request: Request, model: type[Body]) -> Body:
-        raw = await request.body()
-        return await preprocessor.run(preprocessor.parse, model, raw, request.headers.get("content-type"))
-
     def admit(body: SamplingFields) -> LLMEngine:
-        """The engine, once the request's model and n are known to be served."""
-        if body.model not in names:
-            raise OpenAIError(404, f"The model `{body.model[:100]}` does not exist. Served: {', '.join(names)}.",
-                              param="model", code="model_not_found")
+        """The engine, once the request's model, n and counts are known to be served."""
+        served.check(body.model)
         if body.n is not None and body.n > max_n:
             raise OpenAIError(400, f"n must be <= {max_n} (this server's --max-n), got {body.n}", param="n")
+        limits.check(body)
         return ready_engine()
+
+    def max_model_len() -> int | None:
+        return engine_loop.engine.max_model_len if engine_loop.ready.is_set() else None
 
     @app.get("/health", response_model=None, responses=responses(Health, 500, 503))
     async def health() -> JSONResponse:
@@ -104,11 +104,18 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
 
     @app.get("/v1/models", response_model=None, responses=responses(ModelList, 500))
     async def models() -> JSONResponse:
-        engine = engine_loop.engine if engine_loop.ready.is_set() else None
-        max_len = engine.max_model_len if engine is not None else None
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "zipage-jax", "max_model_len": max_len}
-            for name in names]})
+        return JSONResponse({"object": "list", "data": [served.card(name, max_model_len()) for name in served.names]})
+
+    @app.get("/v1/models/{model_id:path}", response_model=None, openapi_extra=path_parameter("model_id"),
+             responses=responses(ModelCard, 404, 500))
+    async def model(request: Request) -> JSONResponse:
+        model_id = request.path_params["model_id"]  # may hold "/" (org/name)
+        served.check(model_id)
+        return JSONResponse(served.card(model_id, max_model_len()))
+
+    @app.get("/version", response_model=None, responses=responses(Version, 500))
+    async def package_version() -> JSONResponse:
+        return JSONResponse({"version": version})
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses=responses(None, 500, ok_media="text/plain", ok_description="Prometheus text format."))
@@ -118,7 +125,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
     @app.post("/v1/completions", response_model=None, openapi_extra=request_body(CompletionRequest),
               responses=responses(Completion, *_GENERATION_ERRORS, stream=CompletionChunk))
     async def completions(request: Request) -> Response:
-        body = await parse(request, CompletionRequest)
+        body = await preprocessor.body(request, CompletionRequest)
         limit = admit(body).max_model_len
         prompts = await preprocessor.run(preprocessor.completion_prompts, body.prompt, limit)
         max_tokens = min(_max_tokens(len(p), body.max_tokens, limit, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
@@ -131,7 +138,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
     @app.post("/v1/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
               responses=responses(ChatCompletion, *_GENERATION_ERRORS, stream=ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
-        body = await parse(request, ChatCompletionRequest)
+        body = await preprocessor.body(request, ChatCompletionRequest)
         limit = admit(body).max_model_len
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -144,6 +151,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
         fmt = ChatFormat(body.model, engine_loop.tokenizer, request_id)
         return await _generate(request, body, Generation(engine_loop, [prompt], params, fmt, request_id))
 
+    add_tokenization_routes(app, served, limits, preprocessor, ready_engine)
     return app
 
 
@@ -155,7 +163,7 @@ async def _generate(request: Request, body: SamplingFields, generation: Generati
     except Exception:  # the engine loop has logged it under the request id
         raise OpenAIError.internal(generation.request_id) from None
     if body.stream:
-        return EventStream(generation.events(body.include_usage), on_close=generation.abort)
+        return EventStream(generation.events(body.include_usage, body.continuous_usage), on_close=generation.abort)
     try:
         result = await until_disconnected(request, asyncio.ensure_future(generation.response()))
     except RequestFailed:  # logged by the engine loop
@@ -165,6 +173,13 @@ async def _generate(request: Request, body: SamplingFields, generation: Generati
     if result is None:
         return Response(status_code=CLIENT_CLOSED)
     return JSONResponse(result)
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("zipage-jax")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def _max_tokens(prompt_len: int, requested: int | None, limit: int, default: int, prompt_param: str) -> int:

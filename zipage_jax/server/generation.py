@@ -71,7 +71,9 @@ class Generation:
 
     def usage(self) -> dict:
         generated = sum(len(o.token_ids) for out in self._latest.values() for o in out.outputs)
-        return usage(sum(map(len, self.prompts)), generated)
+        # a prompt's cache hit is its first completion's (the others share that completion's blocks)
+        cached = sum(out.outputs[0].metrics.get("cached_prompt_tokens", 0) for out in self._latest.values())
+        return usage(sum(map(len, self.prompts)), generated, cached)
 
     async def response(self) -> dict:
         async for _ in self.outputs():
@@ -82,15 +84,19 @@ class Generation:
                    for p, out in sorted(self._latest.items()) for o in out.outputs]
         return self.fmt.response(choices, self.usage())
 
-    async def events(self, include_usage: bool) -> AsyncIterator[str]:
-        """SSE lines: a chunk per choice that advanced, [usage chunk], data: [DONE]."""
+    async def events(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
+        """SSE lines: a chunk per choice that advanced, [usage chunk], data: [DONE]. With
+        `continuous_usage` (and include_usage) each chunk carries its choice's usage so far,
+        as vLLM's continuous_usage_stats."""
         fmt, n = self.fmt, self.params.n
         sent_text: dict[int, int] = defaultdict(int)
+        generated: dict[int, int] = defaultdict(int)  # tokens per choice so far
         finished: set[int] = set()
         try:
             opening = fmt.opening_choices(len(self.prompts) * n)
             if opening:
-                yield _sse(fmt.chunk(opening, include_usage=include_usage))
+                so_far = usage(sum(map(len, self.prompts)), 0) if continuous_usage else None
+                yield _sse(fmt.chunk(opening, so_far, include_usage=include_usage))
             async for p, out in self.outputs():
                 for o in out.outputs:
                     index = p * n + o.index
@@ -99,9 +105,11 @@ class Generation:
                     choice = fmt.choice(index, o.delta_text, o.delta_logprobs, o.finish_reason, o.stop_reason,
                                         text_offset=sent_text[index], streaming=True)
                     sent_text[index] += len(o.delta_text)
+                    generated[index] += len(o.delta_token_ids)
                     if o.finish_reason is not None:
                         finished.add(index)
-                    yield _sse(fmt.chunk([choice], include_usage=include_usage))
+                    so_far = usage(len(self.prompts[p]), generated[index]) if continuous_usage else None
+                    yield _sse(fmt.chunk([choice], so_far, include_usage=include_usage))
             if include_usage:
                 yield _sse(fmt.chunk([], self.usage(), include_usage=True))
         except RequestFailed:

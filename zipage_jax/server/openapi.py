@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from zipage_jax.server.errors import REQUEST_ID_HEADER
+from zipage_jax.server.limits import RequestLimits
 
 _REF = "#/components/schemas/{model}"
 
@@ -52,10 +53,15 @@ class ModelList(_Closed):
     data: list[ModelCard]
 
 
+class PromptTokensDetails(_Closed):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(_Closed):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # absent from continuous_usage_stats chunks
 
 
 FinishReason = Literal["stop", "length"]
@@ -123,7 +129,8 @@ class ChatCompletion(_Closed):
 
 
 # Stream chunks: `usage` only with stream_options.include_usage (null but in the last chunk,
-# which has no choices); a choice's finish_reason is null until its last chunk.
+# which has no choices, unless continuous_usage_stats); a choice's finish_reason is null until
+# its last chunk.
 class CompletionChunkChoice(_Closed):
     index: int
     text: str
@@ -161,6 +168,21 @@ class ChatCompletionChunk(_Closed):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class Tokenized(_Closed):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class Detokenized(_Closed):
+    prompt: str
+
+
+class Version(_Closed):
+    version: str
 
 
 _ERRORS = {
@@ -210,9 +232,17 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
         "application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}}
 
 
-def install_openapi(app: FastAPI, request_models: list[type[BaseModel]], model_names: list[str]) -> None:
+def path_parameter(name: str) -> dict[str, Any]:
+    """The `openapi_extra=` of a route that reads the string path parameter `name` itself
+    (so that FastAPI adds no 422 of its own)."""
+    return {"parameters": [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]}
+
+
+def install_openapi(app: FastAPI, request_models: list[type[BaseModel]], model_names: list[str],
+                    limits: RequestLimits) -> None:
     """app.openapi() with the error, stream chunk and `request_models` schemas among the
-    components, the latter's `model` field one of `model_names` (any other is a 404)."""
+    components, the latter's `model` field one of `model_names` (any other is a 404), and the
+    bounds of `limits`."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -220,9 +250,18 @@ def install_openapi(app: FastAPI, request_models: list[type[BaseModel]], model_n
             described = [*request_models, ErrorResponse, CompletionChunk, ChatCompletionChunk]
             _, defs = models_json_schema([(m, "validation") for m in described], ref_template=_REF)
             for model in request_models:
-                defs["$defs"][model.__name__]["properties"]["model"]["enum"] = list(model_names)
+                field = defs["$defs"][model.__name__].get("properties", {}).get("model")
+                if field is not None:
+                    _served_names(field, model_names)
+            limits.document(defs["$defs"])
             document.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
             app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _served_names(field: dict[str, Any], model_names: list[str]) -> None:
+    """A `model` field's string (the member of an optional field's anyOf) is one of `model_names`."""
+    string = next((member for member in field.get("anyOf", ()) if member.get("type") == "string"), field)
+    string["enum"] = list(model_names)

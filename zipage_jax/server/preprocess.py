@@ -17,13 +17,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, RootModel, ValidationError
 
-from zipage_jax.chat import chat_prompt_ids
+from zipage_jax.chat import chat_prompt_ids, chat_prompt_text
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.server.errors import OpenAIError, validation_error
-from zipage_jax.server.protocol import ChatCompletionRequest
+from zipage_jax.server.protocol import ChatCompletionRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 NUM_THREADS = 2  # one long request leaves a thread for the others
 # Normalizers that shrink UTF-8 text at most 4x (NFKC maps a 4-byte character to 1 byte; a
@@ -52,6 +53,10 @@ class Preprocessor:
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def body(self, request: Request, model: type[Body]) -> Body:
+        """The request's body validated as `model` (in a pool thread; see parse)."""
+        return await self.run(self.parse, model, await request.body(), request.headers.get("content-type"))
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -68,6 +73,8 @@ class Preprocessor:
             errors = exc.errors(include_url=False)
         if errors[0]["type"] == "json_invalid":
             errors = _python_json_errors(model, raw) or errors
+        if issubclass(model, RootModel):  # a union of forms: the location starts with the form's tag
+            errors = [{**e, "loc": e["loc"][1:]} for e in errors]
         raise validation_error(RequestValidationError(errors))
 
     def completion_prompts(self, prompt: str | list, max_model_len: int) -> list[list[int]]:
@@ -86,6 +93,32 @@ class Preprocessor:
             raise OpenAIError(400, str(exc), param="messages") from exc
         _refuse_if_full(ids, max_model_len, "the messages have", "messages")
         return ids
+
+    def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> tuple[list[int], list[str] | None]:
+        """/tokenize: the token ids of the prompt or of the rendered messages (at any length),
+        and their token strings if asked for."""
+        tokenizer, _ = self._tokenizer()
+        if isinstance(request, TokenizeChatRequest):
+            try:
+                text = chat_prompt_text(tokenizer, [m.as_template_input() for m in request.messages],
+                                        add_generation_prompt=request.add_generation_prompt)
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), param="messages") from exc
+        else:
+            text = request.prompt
+        ids = list(tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"])
+        return ids, tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """/detokenize: the text of `token_ids` (special tokens included); 400 for an id that is
+        not the tokenizer's."""
+        tokenizer, _ = self._tokenizer()
+        vocab = len(tokenizer)
+        unknown = next((i for i in token_ids if i >= vocab), None)
+        if unknown is not None:
+            raise OpenAIError(400, f"tokens: {unknown} is not a token id of this model's tokenizer "
+                              f"(ids are in [0, {vocab}))", param="tokens")
+        return tokenizer.decode(token_ids)
 
     def _tokenize(self, text: str, max_model_len: int) -> list[int]:
         tokenizer = self._refuse_if_too_long(len(text.encode()), max_model_len, "the prompt has", "prompt")

@@ -3,20 +3,26 @@
 Unknown fields are rejected rather than ignored, so a misspelt or unsupported option is an
 error the client sees, not a silent default. Every number carries the bound SamplingParams
 enforces (so that the OpenAPI document states it), and every string must be Unicode text.
+Counts that are the server's policy rather than the engine's (prompts per request, stop
+strings, chat messages) are marked with the flag that bounds them: the handler enforces the
+flag (limits.py), which also writes the bound into the OpenAPI document.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
 
 from zipage_jax.sampling_params import (
-    EVICTION_POLICIES, FLOAT32_MAX, INT32_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS,
-    SEED_MAX, SEED_MIN,
+    EVICTION_POLICIES, FLOAT32_MAX, INT32_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN,
     SamplingParams, check_text)
 
-MAX_PROMPTS = 256  # prompts in one /v1/completions request
+LIMIT_FLAG = "x-limit-flag"  # OpenAPI extension: the server flag that bounds this array or string
+PROMPTS_FLAG = "--max-prompts-per-request"
+STOP_STRINGS_FLAG = "--max-stop-strings"
+STOP_CHARS_FLAG = "--max-stop-chars"
+MESSAGES_FLAG = "--max-chat-messages"
 
 
 def _valid_text(text: str) -> str:
@@ -24,7 +30,11 @@ def _valid_text(text: str) -> str:
     return text
 
 
-def _text(**constraints: int) -> Any:
+def _bounded_by(flag: str) -> dict[str, Any]:
+    return {LIMIT_FLAG: flag}
+
+
+def _text(**constraints: Any) -> Any:
     """A string with `constraints` that is Unicode text: a lone surrogate ("\ud800") is refused."""
     return Annotated[str, Field(**constraints), AfterValidator(_valid_text)]
 
@@ -66,11 +76,13 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="with include_usage, every chunk carries its "
+                                                            "choice's usage so far (vLLM extension)")
 
 
-StopString = _text(min_length=1, max_length=MAX_STOP_CHARS)
+StopString = _text(min_length=1, json_schema_extra=_bounded_by(STOP_CHARS_FLAG))
 Stop = _one_of("a string or a list of strings", _text_or_list("strings"), string=StopString,
-               strings=Annotated[list[StopString], Field(max_length=MAX_STOP)])
+               strings=Annotated[list[StopString], Field(json_schema_extra=_bounded_by(STOP_STRINGS_FLAG))])
 
 
 class SamplingFields(_Strict):
@@ -112,6 +124,10 @@ class SamplingFields(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError (from SamplingParams) for out-of-range values."""
         given = {name: getattr(self, name) for name in self.SAMPLING if getattr(self, name) is not None}
@@ -120,10 +136,10 @@ class SamplingFields(_Strict):
 
 Prompt = _one_of("a string, a list of strings, a list of token ids or a list of token-id lists", _prompt_shape,
                 string=NonEmptyText,
-                strings=Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_PROMPTS)],
+                strings=Annotated[list[NonEmptyText], Field(min_length=1, json_schema_extra=_bounded_by(PROMPTS_FLAG))],
                 token_ids=Annotated[list[TokenId], Field(min_length=1)],
                 token_id_lists=Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
-                                         Field(min_length=1, max_length=MAX_PROMPTS)])
+                                         Field(min_length=1, json_schema_extra=_bounded_by(PROMPTS_FLAG))])
 
 
 class CompletionRequest(SamplingFields):
@@ -149,8 +165,46 @@ class ChatMessage(_Strict):
         return message
 
 
+Messages = Annotated[list[ChatMessage], Field(min_length=1, json_schema_extra=_bounded_by(MESSAGES_FLAG))]
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Messages
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     max_completion_tokens: Count | None = None
+
+
+# vLLM's /tokenize and /detokenize; `model`, if given, must be a served name.
+class TokenizeCompletionRequest(_Strict):
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Strict):
+    model: Text | None = None
+    messages: Messages
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+def _tokenize_form(value: object) -> str | None:
+    return None if not isinstance(value, dict) else "messages" if "messages" in value else "prompt"
+
+
+class TokenizeRequest(RootModel):
+    """The prompt form, or the chat form (a body with "messages"); a validation error's location
+    starts with the form's tag."""
+
+    root: Annotated[Union[Annotated[TokenizeCompletionRequest, Tag("prompt")],
+                          Annotated[TokenizeChatRequest, Tag("messages")]],
+                    Discriminator(_tokenize_form, custom_error_type="shape",
+                                  custom_error_message="expected an object with \"prompt\" or \"messages\"")]
+
+
+class DetokenizeRequest(_Strict):
+    model: Text | None = None
+    tokens: list[TokenId]
