@@ -42,6 +42,9 @@ class SamplingParams:
     min_tokens: int = 0
     max_tokens: int = 16
     logprobs: int | None = None  # top-N log-probabilities per token (0: only the chosen one)
+    # Top-N log-probabilities of every prompt token given the tokens before it (0: only the prompt
+    # token's own), from the prefill's logits; such a request takes no prefix-cache hit.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     kv_budget: int | None = None  # KV tokens kept (rounded up to blocks): None = engine default, 0 = full KV
@@ -79,8 +82,9 @@ class SamplingParams:
         _integer("min_tokens", self.min_tokens, low=0, high=INT32_MAX)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if self.logprobs is not None:
-            _integer("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
         if self.kv_budget is not None:
             _integer("kv_budget", self.kv_budget, low=0, high=INT32_MAX)
         if self.eviction_policy is not None:

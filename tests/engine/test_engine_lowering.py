@@ -126,8 +126,9 @@ class Engine:
         inputs = StepInputs(per_token, per_token, per_token, per_token, self._ints(rows, width), per_token,
                             self._ints(rows))
         sampling = self._abstract(SamplingArrays(rows, bucket(MAX_STOP_TOKEN_IDS + 1), MAX_NUM_SEQS).batch())
-        return lower_for_h200(_forward_and_sample, self.param_leaves, self.state, inputs, sampling, mesh=self.mesh,
-                              fns=self.fns, params_def=self.params_def, backend=Backend.PALLAS, tp=self.tp)
+        return lower_for_h200(_forward_and_sample, self.param_leaves, self.state, inputs, sampling, per_token,
+                              mesh=self.mesh, fns=self.fns, params_def=self.params_def, backend=Backend.PALLAS,
+                              tp=self.tp)
 
     def lower_compress(self) -> str:
         b, w = COMPRESS_BATCH, COMPRESS_WIDTH[self.case.block_size]

@@ -11,6 +11,7 @@ def test_defaults_follow_vllm():
     assert (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty) == (1.0, 0.0, 0.0)
     assert (sp.seed, sp.stop, sp.stop_token_ids, sp.ignore_eos) == (None, (), (), False)
     assert (sp.min_tokens, sp.max_tokens, sp.logprobs, sp.kv_budget) == (0, 16, None, None)
+    assert sp.prompt_logprobs is None
     assert sp.skip_special_tokens and not sp.include_stop_str_in_output
     assert not sp.greedy and SamplingParams(temperature=0).greedy and SamplingParams(temperature=1e-6).greedy
 
@@ -22,6 +23,8 @@ def test_normalisation():
     sp = SamplingParams(temperature=1, top_p=1, repetition_penalty=2)
     assert isinstance(sp.temperature, float) and isinstance(sp.repetition_penalty, float)
     assert SamplingParams(top_k=-1).top_k == -1 and SamplingParams(logprobs=0).logprobs == 0
+    assert SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
+    assert SamplingParams(prompt_logprobs=20).prompt_logprobs == 20
     assert SamplingParams(kv_budget=0).kv_budget == 0 and SamplingParams(seed=-3).seed == -3
     assert SamplingParams(min_tokens=16, max_tokens=16).min_tokens == 16
 
@@ -89,6 +92,10 @@ def test_frozen():
         ({"logprobs": 21}, r"logprobs must be in \[0, 20\], got 21"),
         ({"logprobs": -1}, r"logprobs must be in \[0, 20\], got -1"),
         ({"logprobs": True}, "logprobs must be an integer, got True"),
+        ({"prompt_logprobs": 21}, r"^prompt_logprobs must be in \[0, 20\], got 21"),
+        ({"prompt_logprobs": -1}, r"^prompt_logprobs must be in \[0, 20\], got -1"),
+        ({"prompt_logprobs": False}, "^prompt_logprobs must be an integer, got False"),
+        ({"prompt_logprobs": 1.0}, "^prompt_logprobs must be an integer, got 1.0"),
         ({"kv_budget": -1}, r"kv_budget must be in \[0, 2147483647\], got -1"),
         ({"kv_budget": 2**31}, r"kv_budget must be in \[0, 2147483647\], got 2147483648"),
         ({"kv_budget": 1.5}, "kv_budget must be an integer, got 1.5"),

@@ -62,7 +62,8 @@ class Admission:
             seq = Sequence(list(token_ids), self.pool.block_size, budget=budget, params=params,
                            request_id=request_id, index=i, parent=seqs[0] if seqs else None,
                            seed=self._seed(params, i), query_cache_len=self.config.query_cache_len,
-                           max_len=min(len(token_ids) + params.max_tokens, limit))
+                           max_len=min(len(token_ids) + params.max_tokens, limit),
+                           computes_prompt_logprobs=params.prompt_logprobs is not None and not seqs)
             seq.metrics.arrival_time = time.monotonic()
             seqs.append(seq)
         checkers = [StopChecker(self.tokenizer, params, self.eos_token_ids, token_ids, self.special_ids)

@@ -18,7 +18,7 @@ from zipage_jax.engine.outputs import RequestOutput
 from zipage_jax.engine.pool_plan import plan_pool
 from zipage_jax.engine.postprocess import StepOutputs
 from zipage_jax.engine.request import Request
-from zipage_jax.engine.runner import ModelRunner, PendingBatch, RowFailure, StepResult
+from zipage_jax.engine.runner import ModelRunner, PendingBatch, PromptLogprobsResult, RowFailure, StepResult
 from zipage_jax.engine.scheduler import Scheduler, SchedulerOutput
 from zipage_jax.engine.stats import EngineStats
 from zipage_jax.models.loading import LoadedModel, load_model
@@ -123,7 +123,7 @@ class LLMEngine:
         self._end_step(start, wait_before)
         return outputs
 
-    def _run(self, scheduled: SchedulerOutput) -> tuple[list[StepResult], list[RowFailure]]:
+    def _run(self, scheduled: SchedulerOutput) -> tuple[list[StepResult | PromptLogprobsResult], list[RowFailure]]:
         """Compaction, then this step's forward dispatched, then the tokens of the steps the
         host may read now."""
         if scheduled.compressions:
@@ -146,7 +146,7 @@ class LLMEngine:
             results += self._fetch(self._in_flight.popleft())
         return results, failures
 
-    def _fetch(self, step: _InFlight) -> list[StepResult]:
+    def _fetch(self, step: _InFlight) -> list[StepResult | PromptLogprobsResult]:
         waiting = time.perf_counter()
         results = list(self.runner.fetch(step.batches))
         now = time.perf_counter()
@@ -155,12 +155,16 @@ class LLMEngine:
         self._last_fetch = now
         return results
 
-    def _postprocess(self, results: list[StepResult], failures: list[RowFailure]) -> list[RequestOutput]:
+    def _postprocess(self, results: list[StepResult | PromptLogprobsResult],
+                     failures: list[RowFailure]) -> list[RequestOutput]:
         collected = StepOutputs(self.requests, self.scheduler)
         for failure in failures:
             collected.fail(failure.chunk.seq, failure.error)
         for res in results:
-            collected.token(res)
+            if isinstance(res, PromptLogprobsResult):
+                collected.prompt_logprobs(res)
+            else:
+                collected.token(res)
         self.stats.generation_tokens += collected.num_tokens
         return collected.outputs()
 

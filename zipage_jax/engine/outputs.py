@@ -2,7 +2,9 @@
 and the whole completion once it has finished.
 
 A running request's outputs carry only deltas, so an output costs the same at token 10 and at
-token 30,000; `text`, `token_ids` and `logprobs` are filled in the request's final output."""
+token 30,000; `text`, `token_ids` and `logprobs` are filled in the request's final output.
+`RequestOutput.prompt_logprobs` (when asked for) comes in the first output after the prefill, the
+one with the first generated token, and in the final output."""
 
 from __future__ import annotations
 
@@ -42,6 +44,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None  # the engine failed this request alone (its finish_reason is "error")
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing
+    # predicts it); entry i is log_softmax of the logits at position i - 1, at prompt token i, with
+    # the top-N. Shared by the n completions. Under compression during a long prompt, the logits
+    # are those of the KV the engine actually kept, as for generated tokens.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_dict(self) -> dict:
         """The `generate` result: the first completion's fields at the top, all of them in
@@ -55,6 +62,8 @@ class RequestOutput:
             "token_ids": first.token_ids,
             "finish_reason": first.finish_reason,
             "logprobs": None if first.logprobs is None else [asdict(lp) for lp in first.logprobs],
+            "prompt_logprobs": None if self.prompt_logprobs is None else [
+                None if lp is None else asdict(lp) for lp in self.prompt_logprobs],
             "metrics": first.metrics,
             "outputs": [
                 {"index": o.index, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,

@@ -12,7 +12,7 @@ import time
 
 from zipage_jax.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from zipage_jax.engine.request import Request
-from zipage_jax.engine.runner import StepResult
+from zipage_jax.engine.runner import PromptLogprobsResult, StepResult
 from zipage_jax.engine.scheduler import Scheduler
 from zipage_jax.engine.sequence import Sequence
 
@@ -59,6 +59,20 @@ class StepOutputs:
             self._finish(seq)
         self.touched[request.request_id] = request
 
+    def prompt_logprobs(self, res: PromptLogprobsResult) -> None:
+        """One chunk's prompt log-probabilities reached the host."""
+        seq = res.chunk.seq
+        request = self.requests.get(seq.request_id)
+        if seq.is_finished or request is None or request.has_prompt_logprobs:
+            return  # a recompute after preemption computes them again: the first ones stay
+        n, top_n = len(res.logprobs), seq.params.prompt_logprobs
+        for i, lp, ids, lps in zip(range(res.first, res.first + n), res.logprobs, res.top_ids, res.top_logprobs):
+            top = [(int(t), float(v)) for t, v in zip(ids[:top_n], lps[:top_n])]
+            request.prompt_logprobs[i] = TokenLogprob(request.prompt_token_ids[i], float(lp), top)
+        if res.first <= request.num_prompt_logprobs:
+            request.num_prompt_logprobs = max(request.num_prompt_logprobs, res.first + n)
+        seq.computes_prompt_logprobs = not request.has_prompt_logprobs
+
     def fail(self, seq: Sequence, error: Exception) -> None:
         """A failure that belongs to one request: all its sequences finish with "error"."""
         request = self.requests.get(seq.request_id)
@@ -97,8 +111,11 @@ class StepOutputs:
                 metrics=seq_metrics(seq)))
         if finished:
             self.requests.pop(request.request_id, None)
+        prompt_logprobs = None
+        if request.has_prompt_logprobs and (finished or not request.prompt_logprobs_sent):
+            prompt_logprobs, request.prompt_logprobs_sent = request.prompt_logprobs, True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-                             error=request.error)
+                             error=request.error, prompt_logprobs=prompt_logprobs)
 
 
 def seq_metrics(seq: Sequence) -> dict:

@@ -22,12 +22,24 @@ class Request:
     finish_reasons: list[str | None] = field(default_factory=list)
     stop_reasons: list[str | int | None] = field(default_factory=list)
     error: str | None = None
+    # one entry per prompt token when params.prompt_logprobs is set (the first is None): entries
+    # [0, num_prompt_logprobs) have arrived; they are delivered once, when all have, and at the end
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_prompt_logprobs: int = 1
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.seqs)
         self.logprobs = self.logprobs or [[] for _ in range(n)]
         self.finish_reasons = self.finish_reasons or [None] * n
         self.stop_reasons = self.stop_reasons or [None] * n
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def has_prompt_logprobs(self) -> bool:
+        """Every prompt token's log-probability has arrived."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs == len(self.prompt_logprobs)
 
     @property
     def finished(self) -> bool:

@@ -9,7 +9,8 @@ Programs are compiled ahead of time and keyed by shape buckets only (`buckets`):
 (up to max_num_seqs), prefill rows of `prefill_row_size` tokens (up to max_num_batched_tokens /
 prefill_row_size), compression batch x table width. Context lengths, budgets, policies and
 sampling options are values, so `warmup` can compile the whole grid and a steady workload never
-compiles again.
+compiles again. Prompt log-probabilities are values too: each position's target token, -1 where
+none is asked (layers/prompt_logprobs.py), fetched with the step's tokens.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from zipage_jax.engine.sequence import Sequence, query_tail_start
 from zipage_jax.engine.sharding import TensorParallel, shard_model
 from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn, uses_block_tables, xla_page_size
+from zipage_jax.layers.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from zipage_jax.layers.sampler import SamplerOutput, SamplerState, SamplingBatch, record_inputs, sample
 from zipage_jax.models.decoder import DecoderFns, split
 from zipage_jax.models.loading import LoadedModel
@@ -70,8 +72,10 @@ class DeviceState(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("fns", "params_def", "backend", "tp"), donate_argnames=("state",))
 def _forward_and_sample(param_leaves: list[jax.Array], state: DeviceState, inputs: StepInputs,
-                        sampling: SamplingBatch, *, fns: DecoderFns, params_def, backend: Backend,
-                        tp: TensorParallel | None) -> tuple[DeviceState, SamplerOutput]:
+                        sampling: SamplingBatch, prompt_targets: jax.Array, *, fns: DecoderFns, params_def,
+                        backend: Backend, tp: TensorParallel | None
+                        ) -> tuple[DeviceState, SamplerOutput, PromptLogprobs]:
+    # prompt_targets: [R, C] i32, the prompt token each position predicts (-1: no prompt logprob)
     # params travel as a flat list: flattening the nnx.State on every call costs host time
     params = jax.tree.unflatten(params_def, param_leaves)
     last_sampled = state.sampler.last_token[sampling.slot][:, None]  # [R, 1]
@@ -82,7 +86,8 @@ def _forward_and_sample(param_leaves: list[jax.Array], state: DeviceState, input
     hidden, kv = fns.forward(params, tokens, inputs.positions, attn, state.kv)
     last = jnp.take_along_axis(hidden, inputs.last_index[:, None, None], axis=1)[:, 0]  # [R, E]
     out, sampler = sample(fns.logits(params, last), sampling, sampler)
-    return DeviceState(kv if tp is None else tp.constrain_kv(kv), sampler), out
+    prompt = prompt_logprobs(lambda h: fns.logits(params, h), hidden, prompt_targets)
+    return DeviceState(kv if tp is None else tp.constrain_kv(kv), sampler), out, prompt
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("state",))
@@ -149,12 +154,35 @@ class StepResult:
 
 
 @dataclass
+class PromptLogprobsResult:
+    """Log-probabilities of prompt tokens first .. first + n - 1 of `chunk.seq`, from one chunk."""
+
+    chunk: Chunk
+    first: int  # prompt index of the first entry: the chunk's start + 1
+    logprobs: np.ndarray  # [n] of each prompt token
+    top_ids: np.ndarray  # [n, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # [n, MAX_LOGPROBS]
+
+
+@dataclass
+class PromptChunk:
+    """Where a chunk's prompt log-probabilities lie in a batch's outputs."""
+
+    chunk: Chunk
+    row: int  # the chunk's first row; its positions follow row by row
+    num_entries: int
+
+
+@dataclass
 class PendingBatch:
-    """A dispatched forward step: the sampling chunks and the output row of each."""
+    """A dispatched forward step: the sampling chunks and the output row of each, and the chunks
+    with prompt log-probabilities."""
 
     chunks: list[Chunk]
     rows: list[int]
     outputs: SamplerOutput  # device arrays, still being computed
+    prompt_chunks: list[PromptChunk]
+    prompt_outputs: PromptLogprobs  # device arrays, read only when prompt_chunks is not empty
 
 
 @dataclass
@@ -284,10 +312,16 @@ class ModelRunner:
                            forced_id=forced[step] if step < len(forced) else -1, slot=seq.state_slot,
                            num_prompt_tokens=seq.num_prompt_tokens, reset=reset, samples=chunk.samples)
 
-    def fetch(self, batches: list[PendingBatch]) -> Iterator[StepResult]:
-        """The sampled tokens of dispatched batches (waits for the device)."""
+    def fetch(self, batches: list[PendingBatch]) -> Iterator[StepResult | PromptLogprobsResult]:
+        """The sampled tokens and prompt log-probabilities of dispatched batches (waits for the
+        device); a batch's prompt log-probabilities come before its tokens."""
         for batch in batches:
             out = jax.device_get(batch.outputs)
+            if batch.prompt_chunks:
+                prompt = jax.device_get(batch.prompt_outputs)
+                for p in batch.prompt_chunks:  # [R, C, ...] -> the chunk's [num_entries, ...]
+                    entries = [a[p.row:].reshape(-1, *a.shape[2:])[:p.num_entries] for a in prompt]
+                    yield PromptLogprobsResult(p.chunk, p.chunk.start + 1, *entries)
             for chunk, row in zip(batch.chunks, batch.rows):
                 yield StepResult(chunk, int(out.token_ids[row]), float(out.logprobs[row]), out.top_ids[row],
                                  out.top_logprobs[row])
@@ -307,9 +341,12 @@ class ModelRunner:
         r = bucket(num_rows)
         inputs = _InputArrays(r, chunk_len, self._table_width(chunk_len), self.num_query_slots * self.query_cache_len)
         sampling = SamplingArrays(r, self.suppress_width, self.pad_slot)
-        sampled, out_rows = [], []
+        sampled, out_rows, prompt_chunks = [], [], []
         i = 0
         for chunk, rows in prepared:
+            num_entries = sum(int(np.count_nonzero(values["prompt_targets"] >= 0)) for values, _ in rows)
+            if num_entries:
+                prompt_chunks.append(PromptChunk(chunk, i, num_entries))
             for values, srow in rows:
                 inputs.write(i, values)
                 sampling.set(i, srow, self.vocab_size)
@@ -318,9 +355,9 @@ class ModelRunner:
                 sampled.append(chunk)
                 out_rows.append(i - 1)
         key = ("decode rows" if is_decode else "prefill rows", r)
-        self.state, outputs = self.forward(key, self.param_leaves, self.state, inputs.step_inputs(),
-                                           sampling.batch())
-        return PendingBatch(sampled, out_rows, outputs)
+        self.state, outputs, prompt = self.forward(key, self.param_leaves, self.state, inputs.step_inputs(),
+                                                   sampling.batch(), inputs.prompt_targets)
+        return PendingBatch(sampled, out_rows, outputs, prompt_chunks, prompt)
 
     def _table_width(self, chunk_len: int) -> int:
         if uses_block_tables(self.backend, chunk_len):
@@ -353,6 +390,7 @@ class ModelRunner:
                 cached = (offset >= 0) & (phys // bs == tails.max())
                 query_index = np.where(cached, seq.query_slot * ql + offset, pad_query)
         positions = chunk.start + np.arange(n)
+        prompt_targets = _prompt_targets(chunk)
         n_rows = -(-n // c)
         SamplingArrays.check(srow, self.suppress_width)
         rows = []
@@ -360,7 +398,7 @@ class ModelRunner:
             part = slice(j * c, min(n, (j + 1) * c))
             values = dict(tokens=tokens[part], positions=positions[part], slots=slots[part],
                           query_index=query_index[part], kv_lens=phys[part] + 1, block_tables=tables,
-                          last_index=part.stop - part.start - 1)
+                          last_index=part.stop - part.start - 1, prompt_targets=prompt_targets[part])
             last = j == n_rows - 1
             rows.append((values, dataclasses.replace(srow, reset=srow.reset and j == 0, samples=srow.samples and last)))
         return rows
@@ -396,7 +434,8 @@ class ModelRunner:
         inputs = _InputArrays(r, c, self._table_width(c), 0)
         sampling = SamplingArrays(r, self.suppress_width, self.pad_slot)
         kind = "decode rows" if c == 1 else "prefill rows"
-        self.forward.get((kind, r), self.param_leaves, self.state, inputs.step_inputs(), sampling.batch())
+        self.forward.get((kind, r), self.param_leaves, self.state, inputs.step_inputs(), sampling.batch(),
+                         inputs.prompt_targets)
 
     def _compile_compress(self, b: int, w: int) -> None:
         tables = np.zeros((b, w), np.int32)
@@ -421,6 +460,7 @@ class _InputArrays:
         self.block_tables = np.full((rows, width), DUMMY_BLOCK, np.int32)
         self.kv_lens = np.zeros((rows, chunk), np.int32)
         self.last_index = np.zeros(rows, np.int32)
+        self.prompt_targets = np.full((rows, chunk), -1, np.int32)
 
     def write(self, row: int, values: dict) -> None:
         for name, value in values.items():
@@ -433,6 +473,17 @@ class _InputArrays:
     def step_inputs(self) -> StepInputs:
         return StepInputs(self.tokens, self.positions, self.slots, self.query_index, self.block_tables,
                           self.kv_lens, self.last_index)
+
+
+def _prompt_targets(chunk: Chunk) -> np.ndarray:
+    """[num_tokens] i32: the prompt token each position of the chunk predicts, when its sequence
+    computes prompt log-probabilities; -1 elsewhere (past the prompt's second-to-last position)."""
+    seq = chunk.seq
+    targets = np.full(chunk.num_tokens, -1, np.int32)
+    if seq.computes_prompt_logprobs:
+        predicted = seq.token_ids[chunk.start + 1:min(chunk.start + chunk.num_tokens + 1, seq.num_prompt_tokens)]
+        targets[:len(predicted)] = predicted
+    return targets
 
 
 def _penalised(params: SamplingParams) -> bool:

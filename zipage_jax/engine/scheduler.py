@@ -185,8 +185,12 @@ class Scheduler:
         return n
 
     def _max_cached_blocks(self, seq: Sequence) -> int | None:
-        """A budgeted sequence shares fewer prefix-cache blocks than its prompt peak, so it
-        compacts at the same positions as without the cache."""
+        """No block for a sequence computing prompt log-probabilities: it needs the logits of every
+        prompt position, and cached ones have none (its blocks are still cached for others). A
+        budgeted sequence shares fewer prefix-cache blocks than its prompt peak, so it compacts at
+        the same positions as without the cache."""
+        if seq.computes_prompt_logprobs:
+            return 0
         return None if seq.budget is None else seq.budget.blocks + self.chunk_blocks - 1
 
     def _within_prompt_peak(self, seq: Sequence, n: int) -> int:

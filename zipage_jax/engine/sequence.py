@@ -68,6 +68,9 @@ class Sequence:
     query_slot: int | None = None
     state_slot: int | None = None  # row of the device's per-sequence sampling state while running
     state_fresh: bool = False  # the state row was cleared and seeded for this admission
+    # its prefill computes the prompt's log-probabilities (so it takes no prefix-cache hit), until
+    # the host has them all
+    computes_prompt_logprobs: bool = False
     num_pending: int = 0
     max_len: int = 0  # prompt + max_tokens, capped at max_model_len: no token is computed past it
     seed: int = 0

@@ -32,7 +32,7 @@ from jax import lax
 
 MAX_LOGPROBS = 20  # top log-probabilities the sampler returns per row (requests may ask for fewer)
 _LANE = 128  # the vocabulary is padded to a multiple; argmax and draws go block then lane
-_GROUP = 16  # candidate groups of _largest
+_GROUP = 16  # candidate groups of `largest`
 _CANDIDATES = 64  # largest p per row read for top-k / top-p before falling back to bisection
 _ONE_BITS = 0x3F800000  # float32 1.0: thresholds are bisected over the bits of [0, 1]
 _BISECT_STEPS = 30  # ceil(log2(_ONE_BITS + 1))
@@ -107,8 +107,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: SamplerState) -> tupl
     become their slots' last_token."""
     if logits.ndim != 2 or logits.shape[0] != batch.temperature.shape[0]:
         raise ValueError(f"logits must be [B={batch.temperature.shape[0]}, V], got {logits.shape}")
-    vocab = logits.shape[-1]
-    raw = jnp.pad(logits.astype(jnp.float32), ((0, 0), (0, -vocab % _LANE)), constant_values=-jnp.inf)  # [B, Vp]
+    raw = pad_vocab(logits)  # [B, Vp]
     x = _suppress(raw, batch.suppress_ids)
     penalised = (batch.repetition_penalty != 1) | (batch.presence_penalty != 0) | (batch.frequency_penalty != 0)
     x = lax.cond(jnp.any(penalised), lambda x: _penalise(x, batch, state), lambda x: x, x)
@@ -118,7 +117,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: SamplerState) -> tupl
     lse = jax.nn.logsumexp(raw, axis=-1)  # [B]
     logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - lse
     def top():
-        values, ids = _largest(raw, MAX_LOGPROBS)
+        values, ids = largest(raw, MAX_LOGPROBS)
         return values - lse[:, None], ids
 
     def nothing():
@@ -129,6 +128,12 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: SamplerState) -> tupl
     written = jnp.where(batch.samples, batch.slot, state.last_token.shape[0] - 1)
     state = state._replace(last_token=state.last_token.at[written].set(token_ids))
     return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs), state
+
+
+def pad_vocab(logits: jax.Array) -> jax.Array:
+    """logits: [..., V] -> [..., Vp] float32, padded with -inf to a multiple of the lane width."""
+    pad = [(0, 0)] * (logits.ndim - 1) + [(0, -logits.shape[-1] % _LANE)]
+    return jnp.pad(logits.astype(jnp.float32), pad, constant_values=-jnp.inf)
 
 
 def _suppress(x: jax.Array, suppress_ids: jax.Array) -> jax.Array:
@@ -201,7 +206,7 @@ def _top_k_p_threshold(p: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1
     num = min(_CANDIDATES, vocab)
-    vals, _ = _largest(p, num)  # [B, K] descending
+    vals, _ = largest(p, num)  # [B, K] descending
     in_k = lax.broadcasted_iota(jnp.int32, vals.shape, 1) < jnp.where(k_on, top_k, num)[:, None]
     cum = _cumsum(jnp.where(in_k, vals, 0.0))  # [B, K]
     before = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))  # [B, K] mass of the larger candidates
@@ -261,7 +266,7 @@ def _largest_threshold(p: jax.Array, weight: jax.Array, target: jax.Array) -> ja
     return lax.bitcast_convert_type(lo, jnp.float32)
 
 
-def _largest(x: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
+def largest(x: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
     """The num largest entries of each row and their indices, descending.
 
     lax.top_k over the whole row is slow on CPU; the num largest all lie in the num groups
