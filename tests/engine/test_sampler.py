@@ -288,7 +288,8 @@ def test_allowed_mask_restricts_every_kind_of_row_and_keeps_raw_logprobs():
         tokens = out.token_ids[:6]
         assert all(allowed[i, t] and t < V for i, t in enumerate(tokens))
         assert tokens[0] == np.argmax(masked[0]) and tokens[5] == np.argmax(x[5])
-        assert tokens[1] == np.argmax(_penalised(x[1], params[1], *histories[1])[:V] + np.where(allowed[1, :V], 0, -np.inf))
+        penalised = _penalised(x[1], params[1], *histories[1])
+        assert tokens[1] == np.argmax(np.where(allowed[1, :V], penalised, -np.inf))
         ref = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
         np.testing.assert_allclose(out.logprobs[:6], ref[np.arange(6), tokens], rtol=1e-5, atol=1e-5)
 

@@ -153,6 +153,24 @@ def test_async_scheduling_gives_the_same_constrained_tokens(llama_dir, llm):
     assert workload(llm) == workload(sync)
 
 
+def test_only_a_constrained_token_in_flight_is_read_before_scheduling(llm, monkeypatch):
+    """Unconstrained steps keep the overlap (step N is read after step N + 1 is dispatched); a
+    constrained sequence's step is read before the next one is scheduled."""
+    engine, events = llm.engine, []
+    for obj, name in ((engine.scheduler, "schedule"), (engine, "_fetch")):
+        original = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda *a, _f=original, _n=name: events.append(_n) or _f(*a))
+
+    def order(params: SamplingParams) -> list[str]:
+        events.clear()
+        llm.generate([PROMPTS[1]], params, use_tqdm=False)
+        return events[:5]  # three steps: prefill, then two decodes
+
+    assert order(SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) == [
+        "schedule", "schedule", "_fetch", "schedule", "_fetch"]
+    assert order(constrained(regex="[a-z]{8}")) == ["schedule", "_fetch", "schedule", "_fetch", "schedule"]
+
+
 def test_without_reading_the_step_in_flight_a_mask_is_never_built(llm, monkeypatch):
     # positive control of the test above: the engine refuses to mask with a matcher a token behind
     monkeypatch.setattr(type(llm.engine), "_resolve_constrained", lambda self, collected: None)

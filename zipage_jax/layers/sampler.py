@@ -1,12 +1,13 @@
 """Batched next-token sampling with per-request parameters.
 
 Order per row (HF / vLLM): ban the row's suppress_ids (EOS and stop ids under min_tokens)
-and every token its `allowed` bitmask leaves out (a grammar's next-token mask); repetition penalty (prompt + output tokens), frequency and presence penalties (output
-tokens); then a greedy row takes the argmax and a random row divides by its temperature,
-keeps the tokens that pass top-k, top-p (over the top-k survivors) and min-p, and draws one
-of them by inverse CDF with a single uniform hashed from (seed, step): a seeded request
-draws the same tokens whatever batch it is in. A row with a forced token (teacher
-forcing) outputs it instead. Log-probabilities come from the raw logits.
+and every token its `allowed` bitmask leaves out (a grammar's next-token mask); repetition
+penalty (prompt + output tokens), frequency and presence penalties (output tokens); then a
+greedy row takes the argmax and a random row divides by its temperature, keeps the tokens that
+pass top-k, top-p (over the top-k survivors) and min-p, and draws one of them by inverse CDF
+with a single uniform hashed from (seed, step): a seeded request draws the same tokens whatever
+batch it is in. A row with a forced token (teacher forcing) outputs it instead.
+Log-probabilities come from the raw logits.
 
 Filters work on unnormalised probabilities p = exp(x - max x), so the kept set is
 {p >= max(t_top_k, t_top_p, min_p)} (ties at a threshold are all kept). The top-k and top-p
