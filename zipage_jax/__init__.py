@@ -10,6 +10,7 @@ _PUBLIC = {
     "LLM": "zipage_jax.llm",
     "generate": "zipage_jax.llm",
     "SamplingParams": "zipage_jax.sampling_params",
+    "StructuredOutputsParams": "zipage_jax.sampling_params",
     "EngineConfig": "zipage_jax.config",
     "CompressionConfig": "zipage_jax.compress.config",
 }

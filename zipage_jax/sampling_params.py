@@ -23,6 +23,46 @@ MAX_STOP_TOKEN_IDS = 64  # the sampler's suppress rows have a fixed width
 INT32_MAX = 2**31 - 1  # token ids, top_k, token counts and kv_budget are int32 on the device
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # an int64, as OpenAI's seed
 FLOAT32_MAX = 3.4028234663852886e38  # reals are float32 on the device
+MAX_CHOICES = 1024  # strings of a structured_outputs choice
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Grammar-constrained decoding (vLLM's names): exactly one of the fields says what the output
+    must be. The engine compiles it when the request is admitted (an invalid schema, regex or
+    grammar is a ValueError there) and masks every sampled token to what the grammar allows; a
+    sequence whose grammar is complete finishes with "stop"."""
+
+    json: dict | str | None = None  # a JSON schema (a dict or its JSON text)
+    regex: str | None = None  # the whole output matches it (Rust regex syntax)
+    choice: Sequence[str] | None = None  # the output is one of these strings; normalised to a tuple
+    grammar: str | None = None  # a Lark grammar in llguidance's dialect
+    json_object: bool = False  # any JSON object
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {_short(self.json_object)}")
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) if given else 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or a string), "
+                             f"got {_short(self.json)}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                check_text(f"structured_outputs.{name}", value)
+        if self.choice is not None:
+            choice = self.choice
+            if not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) for c in choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {_short(choice)}")
+            if len(choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice holds {len(choice)} strings, more than {MAX_CHOICES}")
+            for c in choice:
+                check_text("structured_outputs.choice", c)
+            object.__setattr__(self, "choice", tuple(choice))
 
 
 @dataclass(frozen=True)
@@ -52,6 +92,7 @@ class SamplingParams:
     # Teacher forcing: the first output tokens are these instead of sampled ones, decoded one per step
     # (so compression runs as in generation); their log-probabilities are reported as for sampled tokens.
     forced_token_ids: Sequence[int] | None = None  # normalised to a tuple
+    structured_outputs: StructuredOutputsParams | None = None  # the output follows this grammar
 
     def __post_init__(self) -> None:
         _integer("n", self.n, low=1, high=MAX_N)
@@ -93,6 +134,9 @@ class SamplingParams:
         if len(self.forced_token_ids) > self.max_tokens:
             raise ValueError(f"forced_token_ids holds {len(self.forced_token_ids)} tokens, more than "
                              f"max_tokens={self.max_tokens}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -125,7 +125,8 @@ class Engine:
         per_token = self._ints(rows, chunk)
         inputs = StepInputs(per_token, per_token, per_token, per_token, self._ints(rows, width), per_token,
                             self._ints(rows))
-        sampling = self._abstract(SamplingArrays(rows, bucket(MAX_STOP_TOKEN_IDS + 1), MAX_NUM_SEQS).batch())
+        sampling = self._abstract(SamplingArrays(rows, bucket(MAX_STOP_TOKEN_IDS + 1), MAX_NUM_SEQS,
+                                                 self.cfg.vocab_size).batch())
         return lower_for_h200(_forward_and_sample, self.param_leaves, self.state, inputs, sampling, per_token,
                               mesh=self.mesh, fns=self.fns, params_def=self.params_def, backend=Backend.PALLAS,
                               tp=self.tp)

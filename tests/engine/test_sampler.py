@@ -26,10 +26,10 @@ def _row(sp: SP, seed: int, **fields) -> SamplingRow:
 
 def _batch(rows: list[SamplingRow], batch_size: int, vocab: int = V):
     # row i uses state slot i; the padding slot is batch_size
-    arrays = SamplingArrays(batch_size, SUPPRESS, pad_slot=batch_size)
+    arrays = SamplingArrays(batch_size, SUPPRESS, pad_slot=batch_size, vocab_size=vocab)
     for i, row in enumerate(rows):
         arrays.check(row, SUPPRESS)
-        arrays.set(i, dataclasses.replace(row, slot=i), vocab)
+        arrays.set(i, dataclasses.replace(row, slot=i))
     return arrays.batch()
 
 
@@ -262,6 +262,50 @@ def test_logprobs_are_raw_log_softmax(vocab):
     assert np.all(np.diff(out.top_logprobs, axis=-1) <= 0)
 
 
+def _bitmask(allowed: np.ndarray) -> np.ndarray:
+    """[B, Vp] bool -> [B, Vp / 32] int32 words, token t at bit t % 32 of word t // 32 (numpy's own packing)."""
+    return np.packbits(allowed, axis=-1, bitorder="little").view(np.int32)
+
+
+def test_allowed_mask_restricts_every_kind_of_row_and_keeps_raw_logprobs():
+    x = _logits(6)
+    vp = sampler.mask_words(V) * 32
+    rng = np.random.default_rng(3)
+    allowed = rng.random((6, vp)) < 0.05  # a few tokens each, padding ids included (they have no logit)
+    allowed[:, 123] = True  # never empty among the real ids
+    allowed[5] = True  # an unconstrained row
+    params = [SP(temperature=0), SP(temperature=0, repetition_penalty=1.4), SP(temperature=1.0, seed=1),
+              SP(temperature=0.7, top_k=3, top_p=0.9), SP(temperature=1.5, min_p=0.1), SP(temperature=0)]
+    rows = [_row(sp, seed=i, num_prompt_tokens=1) for i, sp in enumerate(params)]
+    histories = {1: ([1], [int(np.argmax(np.where(allowed[1, :V], x[1], -np.inf)))])}
+    masked = np.where(allowed[:, :V], x, -np.inf)
+    for step in range(5):
+        batch = dataclasses.replace(_batch([dataclasses.replace(r, step=step) for r in rows], 8),
+                                    allowed=_bitmask(np.pad(allowed, ((0, 2), (0, 0)), constant_values=True)))
+        state = _state(histories, 8)
+        out, _ = sample(jnp.asarray(np.pad(x, ((0, 2), (0, 0)))), batch, state)
+        out = jax.device_get(out)
+        tokens = out.token_ids[:6]
+        assert all(allowed[i, t] and t < V for i, t in enumerate(tokens))
+        assert tokens[0] == np.argmax(masked[0]) and tokens[5] == np.argmax(x[5])
+        penalised = _penalised(x[1], params[1], *histories[1])
+        assert tokens[1] == np.argmax(np.where(allowed[1, :V], penalised, -np.inf))
+        ref = np.asarray(jax.nn.log_softmax(jnp.asarray(x), axis=-1))
+        np.testing.assert_allclose(out.logprobs[:6], ref[np.arange(6), tokens], rtol=1e-5, atol=1e-5)
+
+
+def test_a_single_allowed_token_is_drawn_by_random_rows():
+    x = _logits(4, 5000, seed=2)
+    vp = sampler.mask_words(5000) * 32
+    allowed = np.zeros((4, vp), bool)
+    only = [0, 4999, 2048, 77]
+    allowed[np.arange(4), only] = True
+    rows = [_row(SP(temperature=t, top_k=k), seed=i) for i, (t, k) in enumerate([(1.0, 0), (2.0, 5), (0.3, 0), (0, 0)])]
+    batch = dataclasses.replace(_batch(rows, 4, 5000), allowed=_bitmask(allowed))
+    out, _ = sample(jnp.asarray(x), batch, _state({}, 4, 5000))
+    assert out.token_ids.tolist() == only
+
+
 def test_forced_rows_output_the_forced_token_with_its_log_softmax():
     x = _logits(3)
     rows = [_row(SP(temperature=0), seed=0, forced_id=7),
@@ -314,6 +358,7 @@ def test_builder_pads_rows():
     np.testing.assert_array_equal(batch.suppress_ids[:2], [[-1] * SUPPRESS, [1, 2, 3] + [-1] * (SUPPRESS - 3)])
     np.testing.assert_array_equal(batch.slot, [0, 1, 2, 4])  # padding row: the padding slot
     np.testing.assert_array_equal(batch.wants_logprobs, [True, False, False, False])
+    assert batch.allowed.shape == (4, sampler.mask_words(V)) and (batch.allowed == -1).all()  # no row constrained
 
 
 def test_sampling_rows_and_sample_reject_bad_shapes():

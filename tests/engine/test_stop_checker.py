@@ -169,6 +169,19 @@ def test_max_tokens_mid_character_flushes(tok, eos):
     assert checker.text == "".join(deltas) == tok.decode(ids[:cut])
 
 
+def test_a_final_token_stops_and_flushes_held_back_text(tok, eos):
+    # a completed grammar ends the sequence: "stop", the tail a stop string could have claimed
+    # and a character split across tokens both released
+    ids = tok.encode("x 日本語 ST")
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
+    for end in (cut, len(ids)):
+        checker = StopChecker(tok, SP(max_tokens=50, stop="STOP"), [eos], [])
+        deltas = [checker.append(t)[0] for t in ids[:end - 1]]
+        delta, reason = checker.append(ids[end - 1], final=True)
+        assert (reason, checker.stop_reason) == ("stop", None)
+        assert checker.text == "".join(deltas + [delta]) == tok.decode(ids[:end])
+
+
 def test_append_after_finish_raises(tok, eos):
     checker = StopChecker(tok, SP(max_tokens=1), [eos], [])
     assert checker.append(tok.encode("Hi")[0]) == ("Hi", "length")

@@ -18,6 +18,7 @@ import numpy as np
 
 from zipage_jax.compress.policies import POLICIES, KVBudget, resolve_budget
 from zipage_jax.config import EngineConfig
+from zipage_jax.engine.grammar import GrammarCompiler
 from zipage_jax.engine.pool_plan import KVPoolPlan
 from zipage_jax.engine.request import Request
 from zipage_jax.engine.sequence import Sequence
@@ -32,6 +33,7 @@ class Admission:
         self.vocab = min(vocab_size, len(tokenizer))  # ids the model has a row for and the tokenizer a token for
         self.model_vocab_size = vocab_size
         self.eos_token_ids, self.special_ids = eos_token_ids, special_ids
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
 
@@ -41,8 +43,8 @@ class Admission:
 
         Beyond SamplingParams' own bounds: token ids (prompt, stop_token_ids, forced_token_ids)
         must lie in the vocabulary, n at most max_num_seqs, the prompt under max_model_len, and
-        kv_budget within the KV pool; top_k at or above the vocabulary size keeps every token, as
-        top_k = 0 does (it is stored as 0)."""
+        kv_budget within the KV pool, structured_outputs must compile (one matcher per sequence);
+        top_k at or above the vocabulary size keeps every token, as top_k = 0 does (it is stored as 0)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -57,9 +59,11 @@ class Admission:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in in_use:
             raise ValueError(f"request id {request_id!r} is already in use")
+        spec = params.structured_outputs
+        grammars = [None] * params.n if spec is None else self.grammars.compile(spec, params.n)
         seqs: list[Sequence] = []
-        for i in range(params.n):
-            seq = Sequence(list(token_ids), self.pool.block_size, budget=budget, params=params,
+        for i, grammar in enumerate(grammars):
+            seq = Sequence(list(token_ids), self.pool.block_size, budget=budget, params=params, grammar=grammar,
                            request_id=request_id, index=i, parent=seqs[0] if seqs else None,
                            seed=self._seed(params, i), query_cache_len=self.config.query_cache_len,
                            max_len=min(len(token_ids) + params.max_tokens, limit),

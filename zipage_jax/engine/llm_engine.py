@@ -35,6 +35,7 @@ class _InFlight:
     dispatched_at: float
     num_prefill: int
     num_decode: int
+    constrained: bool  # some token it samples is a structured output's: the next mask needs it
 
 
 class LLMEngine:
@@ -115,13 +116,24 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """schedule -> run -> postprocess. With asynchronous scheduling `run` hands back the
-        tokens of the step before (the device computes this one meanwhile), else this step's own."""
+        tokens of the step before (the device computes this one meanwhile), else this step's own;
+        while a structured output's token is in flight, that step is read before scheduling."""
         start, wait_before = time.perf_counter(), self.stats.device_wait_seconds
+        collected = StepOutputs(self.requests, self.scheduler)
+        self._resolve_constrained(collected)
         scheduled = self.scheduler.schedule()
         results, failures = self._run(scheduled)
-        outputs = self._postprocess(results, failures)
+        outputs = self._postprocess(collected, results, failures)
         self._end_step(start, wait_before)
         return outputs
+
+    def _resolve_constrained(self, collected: StepOutputs) -> None:
+        """A constrained sequence's next mask follows from its last token: when a step in flight
+        sampled one, every step in flight is read and postprocessed first (no overlap then)."""
+        if any(step.constrained for step in self._in_flight):
+            while self._in_flight:
+                for res in self._fetch(self._in_flight.popleft()):
+                    collected.add(res)
 
     def _run(self, scheduled: SchedulerOutput) -> tuple[list[StepResult | PromptLogprobsResult], list[RowFailure]]:
         """Compaction, then this step's forward dispatched, then the tokens of the steps the
@@ -139,7 +151,8 @@ class LLMEngine:
                 self.scheduler.commit(chunk)
             num_decode = sum(1 for c in dispatched if c.num_tokens == 1)
             num_prefill = sum(c.num_tokens for c in dispatched if c.num_tokens > 1)
-            self._in_flight.append(_InFlight(batches, time.perf_counter(), num_prefill, num_decode))
+            constrained = any(c.seq.grammar is not None for batch in batches for c in batch.chunks)
+            self._in_flight.append(_InFlight(batches, time.perf_counter(), num_prefill, num_decode, constrained))
         keep = 1 if self.config.async_scheduling and scheduled.chunks else 0
         results = []
         while len(self._in_flight) > keep:
@@ -155,16 +168,12 @@ class LLMEngine:
         self._last_fetch = now
         return results
 
-    def _postprocess(self, results: list[StepResult | PromptLogprobsResult],
+    def _postprocess(self, collected: StepOutputs, results: list[StepResult | PromptLogprobsResult],
                      failures: list[RowFailure]) -> list[RequestOutput]:
-        collected = StepOutputs(self.requests, self.scheduler)
         for failure in failures:
             collected.fail(failure.chunk.seq, failure.error)
         for res in results:
-            if isinstance(res, PromptLogprobsResult):
-                collected.prompt_logprobs(res)
-            else:
-                collected.token(res)
+            collected.add(res)
         self.stats.generation_tokens += collected.num_tokens
         return collected.outputs()
 

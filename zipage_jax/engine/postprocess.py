@@ -1,7 +1,8 @@
 """Postprocessing: sampled tokens and failures become per-request outputs.
 
 Per step, `StepOutputs` collects what each touched request gained (token ids, text and
-log-probability deltas) and finishes sequences whose stop checker, length or failure says so;
+log-probability deltas) and finishes sequences whose stop checker, length, completed grammar
+(structured outputs) or failure says so; a token the grammar refuses fails its request alone;
 `outputs()` then builds one RequestOutput per touched request and forgets finished requests.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from zipage_jax.engine.grammar import TokenRejected
 from zipage_jax.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from zipage_jax.engine.request import Request
 from zipage_jax.engine.runner import PromptLogprobsResult, StepResult
@@ -26,6 +28,13 @@ class StepOutputs:
         self.deltas: dict[int, tuple[str, list[int], list[TokenLogprob]]] = {}  # by seq_id
         self.num_tokens = 0  # tokens that joined a running request
 
+    def add(self, res: StepResult | PromptLogprobsResult) -> None:
+        """One result of a fetched step, in the order the runner yields them."""
+        if isinstance(res, PromptLogprobsResult):
+            self.prompt_logprobs(res)
+        else:
+            self.token(res)
+
     def token(self, res: StepResult) -> None:
         """One sampled token reached the host."""
         seq = res.chunk.seq
@@ -33,6 +42,11 @@ class StepOutputs:
             return  # finished or aborted since this step was dispatched: its token is dropped
         request = self.requests.get(seq.request_id)
         if request is None:
+            return
+        try:
+            complete = seq.grammar is not None and seq.grammar.accept(res.token_id)
+        except TokenRejected as exc:
+            self.fail(seq, exc)
             return
         seq.resolve(res.token_id)
         self.scheduler.block_manager.commit_full_blocks(seq)  # blocks whose tokens are all known now
@@ -45,7 +59,7 @@ class StepOutputs:
             logprob = TokenLogprob(res.token_id, res.logprob, top)
             request.logprobs[seq.index].append(logprob)
         checker = request.checkers[seq.index]
-        delta, reason = checker.append(res.token_id)
+        delta, reason = checker.append(res.token_id, final=complete)
         if reason is None and seq.num_known_tokens >= seq.max_len:
             reason = "length"  # the sequence's length limit (max_model_len, or the pool for full KV)
         text, ids, lps = self.deltas.setdefault(seq.seq_id, ("", [], []))

@@ -306,11 +306,14 @@ class ModelRunner:
         if reset and seq.num_computed_tokens and _penalised(params):
             self.seed_history(seq)  # its cached prefix tokens never pass through a step
             reset = False
+        if seq.grammar is not None and chunk.samples and seq.num_pending:
+            raise RuntimeError("a structured output's mask needs its last token, still on the device")
         suppress = () if step >= params.min_tokens else (
             tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids))
         return SamplingRow(params=params, seed=seq.seed, step=step, suppress_ids=suppress,
                            forced_id=forced[step] if step < len(forced) else -1, slot=seq.state_slot,
-                           num_prompt_tokens=seq.num_prompt_tokens, reset=reset, samples=chunk.samples)
+                           num_prompt_tokens=seq.num_prompt_tokens, reset=reset, samples=chunk.samples,
+                           grammar=seq.grammar)
 
     def fetch(self, batches: list[PendingBatch]) -> Iterator[StepResult | PromptLogprobsResult]:
         """The sampled tokens and prompt log-probabilities of dispatched batches (waits for the
@@ -340,7 +343,7 @@ class ModelRunner:
             return None
         r = bucket(num_rows)
         inputs = _InputArrays(r, chunk_len, self._table_width(chunk_len), self.num_query_slots * self.query_cache_len)
-        sampling = SamplingArrays(r, self.suppress_width, self.pad_slot)
+        sampling = SamplingArrays(r, self.suppress_width, self.pad_slot, self.vocab_size)
         sampled, out_rows, prompt_chunks = [], [], []
         i = 0
         for chunk, rows in prepared:
@@ -349,7 +352,7 @@ class ModelRunner:
                 prompt_chunks.append(PromptChunk(chunk, i, num_entries))
             for values, srow in rows:
                 inputs.write(i, values)
-                sampling.set(i, srow, self.vocab_size)
+                sampling.set(i, srow)
                 i += 1
             if chunk.samples:
                 sampled.append(chunk)
@@ -432,7 +435,7 @@ class ModelRunner:
 
     def _compile_forward(self, r: int, c: int) -> None:
         inputs = _InputArrays(r, c, self._table_width(c), 0)
-        sampling = SamplingArrays(r, self.suppress_width, self.pad_slot)
+        sampling = SamplingArrays(r, self.suppress_width, self.pad_slot, self.vocab_size)
         kind = "decode rows" if c == 1 else "prefill rows"
         self.forward.get((kind, r), self.param_leaves, self.state, inputs.step_inputs(), sampling.batch(),
                          inputs.prompt_targets)

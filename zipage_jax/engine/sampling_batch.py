@@ -1,17 +1,18 @@
 """Host side of the sampler: one SamplingRow per sequence, packed into a SamplingBatch's arrays.
 
-Every array has a fixed shape per batch size ([B], suppress ids [B, S] with a fixed S), so the
-compiled sampler never changes with the options requests carry.
+Every array has a fixed shape per batch size ([B], suppress ids [B, S] with a fixed S, allowed-token
+bitmasks [B, Vp / 32]), so the compiled sampler never changes with the options requests carry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
-from zipage_jax.layers.sampler import SamplingBatch
+from zipage_jax.engine.grammar import SequenceGrammar, fill_masks
+from zipage_jax.layers.sampler import SamplingBatch, mask_words
 from zipage_jax.sampling_params import SamplingParams
 
 
@@ -28,14 +29,16 @@ class SamplingRow:
     num_prompt_tokens: int = 0
     reset: bool = False  # the sequence's first step since admission: its slot is cleared first
     samples: bool = True  # this row's logits give the sequence's next token
+    grammar: SequenceGrammar | None = None  # structured outputs: the sampled token must fit it
 
 
 class SamplingArrays:
     """Numpy arrays of one SamplingBatch, filled row by row; untouched rows are padding
     (greedy, no penalties, the padding state slot, not sampling)."""
 
-    def __init__(self, batch_size: int, suppress_width: int, pad_slot: int):
+    def __init__(self, batch_size: int, suppress_width: int, pad_slot: int, vocab_size: int):
         b = batch_size
+        self.vocab_size = vocab_size
         self.temperature = np.zeros(b, np.float32)
         self.top_k = np.zeros(b, np.int32)
         self.top_p = np.ones(b, np.float32)
@@ -46,12 +49,14 @@ class SamplingArrays:
         self.seed = np.zeros(b, np.uint32)
         self.step = np.zeros(b, np.int32)
         self.suppress_ids = np.full((b, suppress_width), -1, np.int32)
+        self.allowed = np.full((b, mask_words(vocab_size)), -1, np.int32)
         self.forced = np.full(b, -1, np.int32)
         self.wants_logprobs = np.zeros(b, bool)
         self.slot = np.full(b, pad_slot, np.int32)
         self.num_prompt = np.zeros(b, np.int32)
         self.reset = np.zeros(b, bool)
         self.samples = np.zeros(b, bool)
+        self.constrained: list[tuple[int, SequenceGrammar]] = []  # rows whose mask their grammar gives
 
     @staticmethod
     def check(row: SamplingRow, suppress_width: int) -> None:
@@ -63,12 +68,12 @@ class SamplingArrays:
             if not -1 <= value < 2**31:
                 raise ValueError(f"sampling row {name}={value} does not fit in int32")
 
-    def set(self, i: int, row: SamplingRow, vocab_size: int) -> None:
+    def set(self, i: int, row: SamplingRow) -> None:
         """Row i from `row` (checked with `check`)."""
         sp = row.params
         if not sp.greedy:
             self.temperature[i], self.min_p[i], self.top_p[i] = sp.temperature, sp.min_p, sp.top_p
-            self.top_k[i] = min(max(sp.top_k, 0), vocab_size)
+            self.top_k[i] = min(max(sp.top_k, 0), self.vocab_size)
         self.repetition_penalty[i] = sp.repetition_penalty
         self.presence_penalty[i] = sp.presence_penalty
         self.frequency_penalty[i] = sp.frequency_penalty
@@ -81,7 +86,11 @@ class SamplingArrays:
         self.num_prompt[i] = row.num_prompt_tokens
         self.reset[i] = row.reset
         self.samples[i] = row.samples
+        if row.grammar is not None and row.samples:
+            self.constrained.append((i, row.grammar))
 
     def batch(self) -> SamplingBatch:
-        return SamplingBatch(**vars(self))
+        """The batch, the constrained rows' masks filled from their grammars' current states."""
+        fill_masks(self.allowed, self.constrained)
+        return SamplingBatch(**{f.name: getattr(self, f.name) for f in fields(SamplingBatch)})
 

@@ -53,6 +53,7 @@ class Sequence:
     block_size: int
     budget: KVBudget | None = None  # resolved at admission; None = full KV
     params: object = None  # SamplingParams
+    grammar: object = None  # engine.grammar.SequenceGrammar of a structured-outputs request, else None
     request_id: str = ""
     index: int = 0  # which of the request's n completions
     parent: "Sequence | None" = None  # waits until the parent's prompt is in the prefix cache

@@ -9,7 +9,8 @@ Stops (vLLM semantics): the first `min_tokens` tokens never stop the sequence; t
 (unless ignore_eos) or one of stop_token_ids finishes it with "stop" (its text is dropped
 unless include_stop_str_in_output); a stop string found in the text finishes it with "stop",
 the text cut before the string (after it with include_stop_str_in_output); max_tokens
-finishes it with "length". A stop string wins over the other reasons on the same token.
+finishes it with "length". A stop string wins over the other reasons on the same token. A token
+the caller marks final (a structured output's grammar is complete) finishes it with "stop".
 Any tail of the text that could still become a stop string is held back (from the deltas
 and from `.text`) until it is resolved, so streamed text never has to be taken back:
 `.text` is always the concatenation of the deltas returned so far.
@@ -55,8 +56,9 @@ class StopChecker:
         held = () if params.include_stop_str_in_output else params.stop
         self._prefixes = [StopPrefix(stop) for stop in dict.fromkeys(held)]
 
-    def append(self, token_id: int) -> tuple[str, str | None]:
-        """Adds one sampled token; returns (new text safe to stream, finish reason or None)."""
+    def append(self, token_id: int, final: bool = False) -> tuple[str, str | None]:
+        """Adds one sampled token; returns (new text safe to stream, finish reason or None).
+        final: the sequence ends at this token ("stop" unless a stop string or token says why)."""
         if self.finish_reason is not None:
             raise RuntimeError(f"sequence already finished ({self.finish_reason}); cannot append token {token_id}")
         params = self.params
@@ -64,7 +66,7 @@ class StopChecker:
         may_stop = self.num_tokens > params.min_tokens
         is_eos = may_stop and token_id in self.eos_token_ids
         is_stop_token = is_eos or (may_stop and token_id in self.stop_token_ids)
-        ends = is_stop_token or self.num_tokens >= params.max_tokens
+        ends = is_stop_token or final or self.num_tokens >= params.max_tokens
         if not is_stop_token or params.include_stop_str_in_output:
             self._tokens.extend(self._to_tokens([token_id]))
         checked = len(self._text)
@@ -76,7 +78,7 @@ class StopChecker:
             if is_stop_token:
                 self._finish("stop", None if is_eos else token_id)
             elif ends:
-                self._finish("length", None)
+                self._finish("stop" if final else "length", None)
         end = len(self._text) if self.finish_reason else len(self._text) - self._held_back()
         delta, self._emitted = self._text[self._emitted:end], max(end, self._emitted)
         if self._emitted > 2 * _KEEP_CHARS:  # move emitted text out of the working string

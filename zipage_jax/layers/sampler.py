@@ -1,12 +1,13 @@
 """Batched next-token sampling with per-request parameters.
 
-Order per row (HF / vLLM): ban the row's suppress_ids (EOS and stop ids under min_tokens);
-repetition penalty (prompt + output tokens), frequency and presence penalties (output
-tokens); then a greedy row takes the argmax and a random row divides by its temperature,
-keeps the tokens that pass top-k, top-p (over the top-k survivors) and min-p, and draws one
-of them by inverse CDF with a single uniform hashed from (seed, step): a seeded request
-draws the same tokens whatever batch it is in. A row with a forced token (teacher
-forcing) outputs it instead. Log-probabilities come from the raw logits.
+Order per row (HF / vLLM): ban the row's suppress_ids (EOS and stop ids under min_tokens)
+and every token its `allowed` bitmask leaves out (a grammar's next-token mask); repetition
+penalty (prompt + output tokens), frequency and presence penalties (output tokens); then a
+greedy row takes the argmax and a random row divides by its temperature, keeps the tokens that
+pass top-k, top-p (over the top-k survivors) and min-p, and draws one of them by inverse CDF
+with a single uniform hashed from (seed, step): a seeded request draws the same tokens whatever
+batch it is in. A row with a forced token (teacher forcing) outputs it instead.
+Log-probabilities come from the raw logits.
 
 Filters work on unnormalised probabilities p = exp(x - max x), so the kept set is
 {p >= max(t_top_k, t_top_p, min_p)} (ties at a threshold are all kept). The top-k and top-p
@@ -37,6 +38,17 @@ _CANDIDATES = 64  # largest p per row read for top-k / top-p before falling back
 _ONE_BITS = 0x3F800000  # float32 1.0: thresholds are bisected over the bits of [0, 1]
 _BISECT_STEPS = 30  # ceil(log2(_ONE_BITS + 1))
 _EXACT_ROWS = 8  # rows bisected together when the candidates do not hold their threshold
+_WORD_BITS = 32  # tokens per word of the allowed-token bitmask
+
+
+def padded_vocab(vocab_size: int) -> int:
+    """The vocabulary the sampler works over: vocab_size rounded up to a multiple of the lane width."""
+    return vocab_size + (-vocab_size % _LANE)
+
+
+def mask_words(vocab_size: int) -> int:
+    """Words of a row's allowed-token bitmask: one bit per token of the padded vocabulary."""
+    return padded_vocab(vocab_size) // _WORD_BITS
 
 
 class SamplerState(NamedTuple):
@@ -67,6 +79,7 @@ class SamplingBatch:
     seed: jax.Array  # [B] u32
     step: jax.Array  # [B] i32 output tokens so far (the random stream's position)
     suppress_ids: jax.Array  # [B, S] i32 token ids banned this step, -1 = padding
+    allowed: jax.Array  # [B, Vp / 32] i32, bit t % 32 of word t // 32 set = token t may be sampled (-1: all)
     forced: jax.Array  # [B] i32 token each row outputs instead of its sample, -1 = none
     wants_logprobs: jax.Array  # [B] bool
     slot: jax.Array  # [B] i32 state slot (padding rows: the padding slot)
@@ -107,8 +120,13 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: SamplerState) -> tupl
     become their slots' last_token."""
     if logits.ndim != 2 or logits.shape[0] != batch.temperature.shape[0]:
         raise ValueError(f"logits must be [B={batch.temperature.shape[0]}, V], got {logits.shape}")
+    vocab = logits.shape[-1]
+    if batch.allowed.shape[-1] != mask_words(vocab):
+        raise ValueError(f"allowed must be [B, {mask_words(vocab)}] for a vocabulary of {vocab}, "
+                         f"got {batch.allowed.shape}")
     raw = pad_vocab(logits)  # [B, Vp]
     x = _suppress(raw, batch.suppress_ids)
+    x = lax.cond(jnp.any(batch.allowed != -1), lambda x: _allow(x, batch.allowed), lambda x: x, x)
     penalised = (batch.repetition_penalty != 1) | (batch.presence_penalty != 0) | (batch.frequency_penalty != 0)
     x = lax.cond(jnp.any(penalised), lambda x: _penalise(x, batch, state), lambda x: x, x)
     random = batch.temperature > 0
@@ -132,7 +150,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, state: SamplerState) -> tupl
 
 def pad_vocab(logits: jax.Array) -> jax.Array:
     """logits: [..., V] -> [..., Vp] float32, padded with -inf to a multiple of the lane width."""
-    pad = [(0, 0)] * (logits.ndim - 1) + [(0, -logits.shape[-1] % _LANE)]
+    pad = [(0, 0)] * (logits.ndim - 1) + [(0, padded_vocab(logits.shape[-1]) - logits.shape[-1])]
     return jnp.pad(logits.astype(jnp.float32), pad, constant_values=-jnp.inf)
 
 
@@ -141,6 +159,12 @@ def _suppress(x: jax.Array, suppress_ids: jax.Array) -> jax.Array:
     rows = lax.broadcasted_iota(jnp.int32, suppress_ids.shape, 0)
     fill = jnp.where(suppress_ids >= 0, -jnp.inf, jnp.inf)
     return x.at[rows, jnp.maximum(suppress_ids, 0)].min(fill)
+
+
+def _allow(x: jax.Array, allowed: jax.Array) -> jax.Array:
+    # x: [B, Vp]; allowed: [B, Vp / 32] bit words, token t = bit t % 32 of word t // 32
+    bits = (allowed[:, :, None] >> jnp.arange(_WORD_BITS, dtype=jnp.int32)) & 1  # [B, Vp / 32, 32]
+    return jnp.where(bits.reshape(x.shape) != 0, x, -jnp.inf)
 
 
 def _penalise(x: jax.Array, batch: SamplingBatch, state: SamplerState) -> jax.Array:
