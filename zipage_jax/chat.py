@@ -7,13 +7,14 @@ from typing import Any
 from jinja2 import TemplateError
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], max_length: int | None = None) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: list[dict], max_length: int | None = None,
+                    tools: list[dict] | None = None) -> list[int]:
     """Token ids of `messages` rendered with the model's template plus the generation prompt
-    (at most the first `max_length` of them, if given).
+    (at most the first `max_length` of them, if given); `tools` go to the template as `tools`.
 
     Raises ValueError naming the problem (empty messages, no template, template rejection)."""
     limit = {} if max_length is None else {"truncation": True, "max_length": max_length}
-    ids = _render(tokenizer, messages, add_generation_prompt=True, tokenize=True, **limit)
+    ids = _render(tokenizer, messages, add_generation_prompt=True, tokenize=True, tools=tools, **limit)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 

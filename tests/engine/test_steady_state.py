@@ -50,10 +50,11 @@ def mixed_workload(llm: LLM) -> list[list[int]]:
 
 
 def count_compiles(fn) -> tuple[int, object]:
-    """JAX's own compile log records while fn runs (independent of the engine's counter)."""
+    """Programs JAX compiled or loaded from its persistent cache while fn runs, from its own log
+    (independent of the engine's counter): one "Finished XLA compilation" record per executable."""
     records = []
     handler = logging.Handler(logging.DEBUG)
-    handler.emit = lambda r: records.append(r) if "Compiling" in r.getMessage() else None
+    handler.emit = lambda r: records.append(r) if "Finished XLA compilation" in r.getMessage() else None
     logger = logging.getLogger("jax")
     old = logger.level
     logger.addHandler(handler)

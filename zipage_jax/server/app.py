@@ -25,7 +25,7 @@ from zipage_jax.sampling_params import MAX_N, SamplingParams
 from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
 from zipage_jax.server.errors import OpenAIError, install_error_handlers
 from zipage_jax.server.formats import ChatFormat, CompletionFormat
-from zipage_jax.server.generation import EventStream, Generation, until_disconnected
+from zipage_jax.server.generation import Echo, EventStream, Generation, until_disconnected
 from zipage_jax.server.limits import RequestLimits
 from zipage_jax.server.metrics import ServerMetrics
 from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
@@ -37,6 +37,7 @@ from zipage_jax.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields, TokenizeChatRequest,
     TokenizeCompletionRequest, TokenizeRequest)
 from zipage_jax.server.served import ServedModels
+from zipage_jax.server.structured import Grammar, grammar, tool_mode
 from zipage_jax.server.tokenization import add_tokenization_routes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -127,13 +128,25 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
     async def completions(request: Request) -> Response:
         body = await preprocessor.body(request, CompletionRequest)
         limit = admit(body).max_model_len
+        if body.max_tokens == 0 and not body.echo:
+            raise OpenAIError(400, "max_tokens may be 0 only with echo (the output is then the prompt alone)",
+                              param="max_tokens")
         prompts = await preprocessor.run(preprocessor.completion_prompts, body.prompt, limit)
-        max_tokens = min(_max_tokens(len(p), body.max_tokens, limit, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+        requested = None if body.max_tokens is None else max(body.max_tokens, 1)  # 0: one token, dropped
+        max_tokens = min(_max_tokens(len(p), requested, limit, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
                          for p in prompts)
-        params = _sampling_params(body, max_tokens, body.logprobs)
+        echoed = body.echo and body.logprobs is not None and body.prompt_logprobs is None
+        structured = grammar(body.response_format, body.structured_outputs)
+        params = _sampling_params(body, max_tokens, body.logprobs, _renames(structured), structured,
+                                  prompt_logprobs=body.logprobs if echoed else body.prompt_logprobs)
+        echo = None
+        if body.echo:
+            texts = await preprocessor.run(preprocessor.prompt_texts, body.prompt, prompts)
+            echo = Echo(texts, prompt_only=body.max_tokens == 0)
         request_id = request.state.request_id
         fmt = CompletionFormat(body.model, engine_loop.tokenizer, request_id)
-        return await _generate(request, body, Generation(engine_loop, prompts, params, fmt, request_id))
+        return await _generate(request, body, Generation(engine_loop, prompts, params, fmt, request_id, echo),
+                               _renames(structured))
 
     @app.post("/v1/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
               responses=responses(ChatCompletion, *_GENERATION_ERRORS, stream=ChatCompletionChunk))
@@ -145,21 +158,24 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
         prompt = await preprocessor.run(preprocessor.chat_prompt, body, limit)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = _max_tokens(len(prompt), requested, limit, limit - len(prompt), "messages")
-        params = _sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
-                                  renames={"logprobs": "top_logprobs"})
+        structured = grammar(body.response_format, body.structured_outputs, body.tools, body.tool_choice)
+        renames = _renames(structured, {"logprobs": "top_logprobs"})
+        params = _sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, renames,
+                                  structured)
         request_id = request.state.request_id
-        fmt = ChatFormat(body.model, engine_loop.tokenizer, request_id)
-        return await _generate(request, body, Generation(engine_loop, [prompt], params, fmt, request_id))
+        fmt = ChatFormat(body.model, engine_loop.tokenizer, request_id, tool_mode(body.tools, body.tool_choice))
+        return await _generate(request, body, Generation(engine_loop, [prompt], params, fmt, request_id), renames)
 
     add_tokenization_routes(app, served, limits, preprocessor, ready_engine)
     return app
 
 
-async def _generate(request: Request, body: SamplingFields, generation: Generation) -> Response:
+async def _generate(request: Request, body: SamplingFields, generation: Generation,
+                    renames: dict[str, str] | None = None) -> Response:
     try:
         await generation.start()
     except ValueError as exc:
-        raise OpenAIError.bad_request(exc) from exc
+        raise OpenAIError.bad_request(exc, renames) from exc
     except Exception:  # the engine loop has logged it under the request id
         raise OpenAIError.internal(generation.request_id) from None
     if body.stream:
@@ -196,8 +212,16 @@ def _max_tokens(prompt_len: int, requested: int | None, limit: int, default: int
 
 
 def _sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
-                     renames: dict[str, str] | None = None) -> SamplingParams:
+                     renames: dict[str, str] | None = None, structured_outputs: Grammar | None = None,
+                     **overrides) -> SamplingParams:
+    if structured_outputs is not None:
+        overrides["structured_outputs"] = structured_outputs.params
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, **overrides)
     except ValueError as exc:
         raise OpenAIError.bad_request(exc, renames) from exc
+
+
+def _renames(structured: Grammar | None, renames: dict[str, str] | None = None) -> dict[str, str]:
+    """Engine field -> request parameter, for the engine's errors."""
+    return {**(renames or {}), **({} if structured is None else {"structured_outputs": structured.param})}

@@ -6,6 +6,7 @@ exception text leaves the server.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from fastapi import FastAPI, Request
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.server.protocol import SHAPE_FIELDS
 
 logger = logging.getLogger("zipage_jax.server")
@@ -21,9 +23,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
           413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 # ValueError messages from SamplingParams / the engine start with the offending field's name
-_ENGINE_PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "max_tokens",
-                  "logprobs", "kv_budget", "eviction_policy", "prompt", "skip_special_tokens", "include_stop_str_in_output")
+_ENGINE_PARAMS = (*(f.name for f in dataclasses.fields(SamplingParams)), "prompt")
 _MAX_FIELD_CHARS = 100  # of a client's field name quoted in an error
 
 
@@ -36,7 +36,7 @@ class OpenAIError(Exception):
     def bad_request(cls, exc: ValueError, param_names: dict[str, str] | None = None) -> "OpenAIError":
         """A ValueError from SamplingParams or add_request; param_names renames engine fields."""
         message = str(exc)
-        first = message.split(" ", 1)[0]
+        first = message.split(" ", 1)[0].rstrip(":").split(".", 1)[0]
         param = first if first in _ENGINE_PARAMS else None
         if param is not None and param_names:
             param = param_names.get(param, param)

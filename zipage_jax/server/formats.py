@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from typing import Any
 
 from zipage_jax.engine.outputs import TokenLogprob
+from zipage_jax.server.protocol import ToolChoice
+from zipage_jax.server.structured import tool_calls
 
 
 class ResponseFormat(ABC):
@@ -45,6 +48,20 @@ class ResponseFormat(ABC):
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])
 
+    def prompt_logprobs(self, entries: list[TokenLogprob | None]) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+        decoded_token}} for the prompt token and its top alternatives (rank None: below the top)."""
+        out = []
+        for lp in entries:
+            if lp is None:
+                out.append(None)
+                continue
+            ranks = {t: r for r, (t, _) in enumerate(lp.top, 1)}
+            tokens = {lp.token_id: lp.logprob, **dict(lp.top)}
+            out.append({str(t): {"logprob": _finite(v), "rank": ranks.get(t), "decoded_token": self.token_text(t)}
+                        for t, v in tokens.items()})
+        return out
+
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
     """OpenAI's usage; `cached_tokens`: prompt tokens found in the prefix cache."""
@@ -70,12 +87,21 @@ class CompletionFormat(ResponseFormat):
             offsets.append(text_offset)
             text_offset += len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-                "top_logprobs": [{self.token_text(t): _finite(v) for t, v in lp.top} or None for lp in logprobs],
+                "top_logprobs": [({self.token_text(t): _finite(v) for t, v in lp.top} or None)
+                                 if lp.logprob is not None else None for lp in logprobs],
                 "text_offset": offsets}
 
 
 class ChatFormat(ResponseFormat):
+    """With `tool_choice` ("required" or a named function) each completion is the tool grammar's
+    JSON and becomes `tool_calls`; a stream sends them whole in the choice's last delta."""
+
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, model: str, tokenizer: Any, request_id: str, tool_choice: ToolChoice | None = None):
+        super().__init__(model, tokenizer, request_id)
+        self.tool_choice = tool_choice
+        self._tool_text: dict[int, str] = defaultdict(str)  # streamed text per choice, in tool mode
 
     def opening_choices(self, num_choices: int) -> list[dict]:
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -83,13 +109,33 @@ class ChatFormat(ResponseFormat):
 
     def choice(self, index, text, logprobs, finish_reason, stop_reason, text_offset, streaming):
         body = {"index": index}
-        if streaming:
-            body["delta"] = {"content": text} if text else {}
+        if self.tool_choice is not None:
+            message, finish_reason = self._tool_message(index, text, finish_reason, streaming)
         else:
-            body["message"] = {"role": "assistant", "content": text}
+            message = {"content": text} if text or not streaming else {}
+        if streaming:
+            body["delta"] = message
+        else:
+            body["message"] = {"role": "assistant", **message}
         body.update(logprobs=None if logprobs is None else {"content": [self._entry(lp) for lp in logprobs]},
                     finish_reason=finish_reason, stop_reason=stop_reason)
         return body
+
+    def _tool_message(self, index: int, text: str, finish_reason: str | None,
+                      streaming: bool) -> tuple[dict, str | None]:
+        """The message (or delta) of a tool-mode choice and its finish reason: tool_calls once the
+        whole completion is known, the raw text if it is not a complete call (cut by max_tokens)."""
+        if streaming:
+            self._tool_text[index] += text
+            if finish_reason is None:
+                return {}, None
+            text = self._tool_text.pop(index)
+        calls = tool_calls(text, self.tool_choice) if finish_reason == "stop" else None
+        if calls is None:
+            return {"content": text}, finish_reason
+        if streaming:
+            calls = [{"index": i, **call} for i, call in enumerate(calls)]
+        return {"content": None, "tool_calls": calls}, "tool_calls" if self.tool_choice == "required" else "stop"
 
     def _entry(self, lp: TokenLogprob) -> dict:
         entry = self._token(lp.token_id, lp.logprob)
@@ -101,5 +147,5 @@ class ChatFormat(ResponseFormat):
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def _finite(logprob: float) -> float:
-    return max(logprob, -9999.0)  # as vLLM: JSON has no -inf
+def _finite(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, -9999.0)  # as vLLM: JSON has no -inf

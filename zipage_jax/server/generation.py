@@ -6,16 +6,26 @@ import asyncio
 import json
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from zipage_jax.engine.outputs import RequestOutput
+from zipage_jax.engine.outputs import RequestOutput, TokenLogprob
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
 from zipage_jax.server.errors import error_body, internal_message
 from zipage_jax.server.formats import ResponseFormat, usage
+
+
+@dataclass(frozen=True)
+class Echo:
+    """Completions' echo: each choice's text (and logprobs) start with its prompt's; with
+    `prompt_only` (max_tokens 0) they are only the prompt's."""
+
+    texts: list[str]  # per prompt
+    prompt_only: bool = False
 
 
 class Generation:
@@ -23,13 +33,14 @@ class Generation:
     response id followed by the prompt's index."""
 
     def __init__(self, engine_loop: EngineLoop, prompts: list[list[int]], params: SamplingParams,
-                 fmt: ResponseFormat, request_id: str):
-        self.prompts, self.params, self.fmt, self.request_id = prompts, params, fmt, request_id
+                 fmt: ResponseFormat, request_id: str, echo: Echo | None = None):
+        self.prompts, self.params, self.fmt, self.request_id, self.echo = prompts, params, fmt, request_id, echo
         self._engine_loop = engine_loop
         self._prompt_index = {f"{fmt.id}-{p}": p for p in range(len(prompts))}
         self._unfinished: set[str] = set()
         self._outputs: asyncio.Queue = asyncio.Queue()
         self._latest: dict[int, RequestOutput] = {}
+        self._prompt_logprobs: dict[int, list] = {}  # per prompt, once its prefill has finished
 
     async def start(self) -> None:
         """Adds every prompt; on an error (the engine's ValueError for bad input) aborts them all."""
@@ -67,10 +78,13 @@ class Generation:
                 self._unfinished.discard(item.request_id)
             prompt = self._prompt_index[item.request_id]
             self._latest[prompt] = item
+            if item.prompt_logprobs is not None:
+                self._prompt_logprobs[prompt] = item.prompt_logprobs
             yield prompt, item
 
     def usage(self) -> dict:
-        generated = sum(len(o.token_ids) for out in self._latest.values() for o in out.outputs)
+        generated = 0 if self._prompt_only else sum(len(o.token_ids) for out in self._latest.values()
+                                                    for o in out.outputs)
         # a prompt's cache hit is its first completion's (the others share that completion's blocks)
         cached = sum(out.outputs[0].metrics.get("cached_prompt_tokens", 0) for out in self._latest.values())
         return usage(sum(map(len, self.prompts)), generated, cached)
@@ -79,16 +93,48 @@ class Generation:
         async for _ in self.outputs():
             pass
         n = self.params.n
-        choices = [self.fmt.choice(p * n + o.index, o.text, o.logprobs, o.finish_reason, o.stop_reason,
-                                   text_offset=0, streaming=False)
-                   for p, out in sorted(self._latest.items()) for o in out.outputs]
-        return self.fmt.response(choices, self.usage())
+        choices = []
+        for p, out in sorted(self._latest.items()):
+            for o in out.outputs:
+                text, logprobs = self._shown(p, o.text, o.logprobs, first=True)
+                choice = self.fmt.choice(p * n + o.index, text, logprobs, o.finish_reason, o.stop_reason,
+                                         text_offset=0, streaming=False)
+                choices.append(self._with_prompt_logprobs(p, choice) if self.fmt.object == "text_completion" else choice)
+        response = self.fmt.response(choices, self.usage())
+        if self.fmt.object != "text_completion":  # chat: vLLM's is the response's (one prompt)
+            self._with_prompt_logprobs(0, response)
+        return response
+
+    @property
+    def _prompt_only(self) -> bool:
+        return self.echo is not None and self.echo.prompt_only
+
+    def _shown(self, p: int, text: str, logprobs: list[TokenLogprob] | None,
+               first: bool) -> tuple[str, list[TokenLogprob] | None]:
+        """A choice's text and logprobs (or a stream's delta of them) as the client sees them:
+        the prompt's in front of the first (echo), the generated ones dropped (prompt_only)."""
+        if self._prompt_only:
+            text, logprobs = "", None if logprobs is None else []
+        if self.echo is None or not first:
+            return text, logprobs
+        if logprobs is not None:
+            entries = self._prompt_logprobs.get(p) or [None] * len(self.prompts[p])
+            prompt = [TokenLogprob(t, None, []) if lp is None else lp for t, lp in zip(self.prompts[p], entries)]
+            logprobs = prompt + logprobs
+        return self.echo.texts[p] + text, logprobs
+
+    def _with_prompt_logprobs(self, p: int, body: dict) -> dict:
+        """vLLM's prompt_logprobs of prompt p in `body` (a choice, or a chat response), when asked for."""
+        if self.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.fmt.prompt_logprobs(self._prompt_logprobs.get(p, []))
+        return body
 
     async def events(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
         """SSE lines: a chunk per choice that advanced, [usage chunk], data: [DONE]. With
         `continuous_usage` (and include_usage) each chunk carries its choice's usage so far,
         as vLLM's continuous_usage_stats."""
         fmt, n = self.fmt, self.params.n
+        started: set[int] = set()
         sent_text: dict[int, int] = defaultdict(int)
         generated: dict[int, int] = defaultdict(int)  # tokens per choice so far
         finished: set[int] = set()
@@ -102,10 +148,15 @@ class Generation:
                     index = p * n + o.index
                     if index in finished or not (o.delta_token_ids or o.delta_text or o.finish_reason):
                         continue
-                    choice = fmt.choice(index, o.delta_text, o.delta_logprobs, o.finish_reason, o.stop_reason,
+                    first = index not in started
+                    started.add(index)
+                    text, logprobs = self._shown(p, o.delta_text, o.delta_logprobs, first)
+                    choice = fmt.choice(index, text, logprobs, o.finish_reason, o.stop_reason,
                                         text_offset=sent_text[index], streaming=True)
-                    sent_text[index] += len(o.delta_text)
-                    generated[index] += len(o.delta_token_ids)
+                    if first:
+                        self._with_prompt_logprobs(p, choice)
+                    sent_text[index] += len(text)
+                    generated[index] += 0 if self._prompt_only else len(o.delta_token_ids)
                     if o.finish_reason is not None:
                         finished.add(index)
                     so_far = usage(len(self.prompts[p]), generated[index]) if continuous_usage else None

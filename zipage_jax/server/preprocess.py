@@ -25,6 +25,7 @@ from zipage_jax.chat import chat_prompt_ids, chat_prompt_text
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.server.errors import OpenAIError, validation_error
 from zipage_jax.server.protocol import ChatCompletionRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from zipage_jax.server.structured import template_tools
 
 NUM_THREADS = 2  # one long request leaves a thread for the others
 # Normalizers that shrink UTF-8 text at most 4x (NFKC maps a 4-byte character to 1 byte; a
@@ -83,12 +84,18 @@ class Preprocessor:
             prompt = [prompt]
         return [self._tokenize(p, max_model_len) if isinstance(p, str) else list(p) for p in prompt]
 
+    def prompt_texts(self, prompt: str | list, ids: list[list[int]]) -> list[str]:
+        """Each prompt's text, as echo shows it: a string as given, token ids decoded."""
+        texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt[0], str) else [None] * len(ids)
+        tokenizer, _ = self._tokenizer()
+        return [text if text is not None else tokenizer.decode(p) for text, p in zip(texts, ids)]
+
     def chat_prompt(self, body: ChatCompletionRequest, max_model_len: int) -> list[int]:
         messages = [m.as_template_input() for m in body.messages]
         tokenizer = self._refuse_if_too_long(sum(len(m["content"].encode()) for m in messages), max_model_len,
                                              "the messages have", "messages")
         try:
-            ids = chat_prompt_ids(tokenizer, messages, max_length=max_model_len)
+            ids = chat_prompt_ids(tokenizer, messages, max_length=max_model_len, tools=template_tools(body.tools))
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="messages") from exc
         _refuse_if_full(ids, max_model_len, "the messages have", "messages")

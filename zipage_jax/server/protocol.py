@@ -85,6 +85,53 @@ Stop = _one_of("a string or a list of strings", _text_or_list("strings"), string
                strings=Annotated[list[StopString], Field(json_schema_extra=_bounded_by(STOP_STRINGS_FLAG))])
 
 
+JsonObject = dict[str, Any]
+
+
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(max_length=64)] = "response"
+    description: Text | None = None
+    schema_: JsonObject | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    json_: JsonObject | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Text | None = None
+    parameters: JsonObject | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
 class SamplingFields(_Strict):
     """Fields shared by both endpoints; None means the SamplingParams default."""
 
@@ -111,6 +158,12 @@ class SamplingFields(_Strict):
         None, description="KV tokens kept per sequence; 0 = full KV (zipage extension)")
     eviction_policy: Literal[EVICTION_POLICIES] | None = Field(
         None, description="which tokens a full sequence keeps; default: the server's (zipage extension)")
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="log-probabilities of the prompt tokens, with this many top alternatives (vLLM extension)")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="a grammar the output follows: exactly one of json, regex, choice, grammar, json_object "
+                          "(vLLM extension)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -118,7 +171,7 @@ class SamplingFields(_Strict):
     SAMPLING: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
         "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
-        "include_stop_str_in_output", "kv_budget", "eviction_policy")
+        "include_stop_str_in_output", "kv_budget", "eviction_policy", "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -128,10 +181,10 @@ class SamplingFields(_Strict):
     def continuous_usage(self) -> bool:
         return self.include_usage and self.stream_options.continuous_usage_stats
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, **overrides: Any) -> SamplingParams:
         """Raises ValueError (from SamplingParams) for out-of-range values."""
         given = {name: getattr(self, name) for name in self.SAMPLING if getattr(self, name) is not None}
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **{**given, **overrides})
 
 
 Prompt = _one_of("a string, a list of strings, a list of token ids or a list of token-id lists", _prompt_shape,
@@ -145,6 +198,8 @@ Prompt = _one_of("a string, a list of strings, a list of token ids or a list of 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = Field(False, description="the prompt comes first in each choice's text (and logprobs)")
+    max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX, description="0: only the prompt (with echo)")] | None = None
 
 
 class TextPart(_Strict):
@@ -152,16 +207,34 @@ class TextPart(_Strict):
     text: Text
 
 
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text
+
+
+class ToolCall(_Strict):
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: _one_of("a string or a list of text parts", _text_or_list("parts"), string=Text, parts=list[TextPart])
+    content: _one_of("a string or a list of text parts", _text_or_list("parts"), string=Text,
+                     parts=list[TextPart]) | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # the call a tool message answers
 
     def as_template_input(self) -> dict:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        message = {"role": self.role, "content": content}
-        if self.name is not None:
-            message["name"] = self.name
+        content = self.content if isinstance(self.content, str) or self.content is None else "".join(
+            p.text for p in self.content)
+        message = {"role": self.role, "content": content or ""}
+        for name in ("name", "tool_call_id"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         return message
 
 
@@ -173,6 +246,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     max_completion_tokens: Count | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = Field(None, description='"none", "required" or a named function; "auto" '
+                                                             '(the default with tools) is refused')
 
 
 # vLLM's /tokenize and /detokenize; `model`, if given, must be a served name.
