@@ -135,3 +135,21 @@ def test_tool_choice_none_ignores_the_tools(server):
     response = server.client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, temperature=0,
                                                      tools=[WEATHER], tool_choice="none")
     assert response.choices[0].message.tool_calls is None and response.choices[0].message.content is not None
+
+
+def test_a_conversation_with_earlier_tool_calls_is_accepted(server):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                             "arguments": '{"city": "Oslo", "days": 2}'}}
+    messages = [*USER, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    response = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                                     tools=[WEATHER], tool_choice="none")
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_without_parallel_tool_calls_required_makes_one_call(server):
+    for seed in range(3):
+        response = server.client.chat.completions.create(model=MODEL, messages=USER, max_tokens=160, temperature=1,
+                                                         seed=seed, tools=[WEATHER, TIME], tool_choice="required",
+                                                         parallel_tool_calls=False)
+        assert len(response.choices[0].message.tool_calls) == 1

@@ -158,7 +158,8 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
         prompt = await preprocessor.run(preprocessor.chat_prompt, body, limit)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = _max_tokens(len(prompt), requested, limit, limit - len(prompt), "messages")
-        structured = grammar(body.response_format, body.structured_outputs, body.tools, body.tool_choice)
+        structured = grammar(body.response_format, body.structured_outputs, body.tools, body.tool_choice,
+                             body.parallel_tool_calls)
         renames = _renames(structured, {"logprobs": "top_logprobs"})
         params = _sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, renames,
                                   structured)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag, model_validator
 
 from zipage_jax.sampling_params import (
     EVICTION_POLICIES, FLOAT32_MAX, INT32_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN,
@@ -226,6 +226,12 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # the call a tool message answers
 
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        return self
+
     def as_template_input(self) -> dict:
         content = self.content if isinstance(self.content, str) or self.content is None else "".join(
             p.text for p in self.content)
@@ -249,6 +255,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = Field(None, description='"none", "required" or a named function; "auto" '
                                                              '(the default with tools) is refused')
+    parallel_tool_calls: bool = True
 
 
 # vLLM's /tokenize and /detokenize; `model`, if given, must be a served name.

@@ -26,7 +26,8 @@ class Grammar:
 
 
 def grammar(response_format: ResponseFormat | None, structured_outputs: StructuredOutputs | None,
-            tools: list[Tool] | None = None, tool_choice: ToolChoice | None = None) -> Grammar | None:
+            tools: list[Tool] | None = None, tool_choice: ToolChoice | None = None,
+            parallel_tool_calls: bool = True) -> Grammar | None:
     """The engine's grammar for a request, or None; OpenAIError 400 naming the parameter."""
     given = [name for name, value in (("response_format", _format_grammar(response_format)),
                                       ("structured_outputs", structured_outputs),
@@ -44,7 +45,7 @@ def grammar(response_format: ResponseFormat | None, structured_outputs: Structur
     if given == ["response_format"]:
         return _params(_format_grammar(response_format), "response_format")
     if given == ["tool_choice"]:
-        return _params({"json": tool_schema(tools, tool_choice)}, "tool_choice")
+        return _params({"json": tool_schema(tools, tool_choice, parallel_tool_calls)}, "tool_choice")
     return None
 
 
@@ -91,14 +92,14 @@ def _tool_function(tools: list[Tool] | None, tool_choice: ToolChoice | None) -> 
     return tool_choice.function.name
 
 
-def tool_schema(tools: list[Tool], tool_choice: ToolChoice) -> dict:
+def tool_schema(tools: list[Tool], tool_choice: ToolChoice, parallel: bool = True) -> dict:
     """The JSON schema of the output: the named function's parameters, or for "required" an
-    array of calls of the tools."""
+    array of calls of the tools (one, unless `parallel`)."""
     if tool_choice != "required":
         return _parameters(next(t for t in tools if t.function.name == tool_choice.function.name))
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
 
 
 def _parameters(tool: Tool) -> dict:
