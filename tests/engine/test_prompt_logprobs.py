@@ -19,14 +19,6 @@ SHORT = [5, 17, 99, 3, 42, 7, 250, 8, 11, 64, 65, 66]
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tiny_model_factory, model_cache_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
-    yield tiny_model_factory("llama")
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
 def llm(llama_dir) -> LLM:
     return LLM(str(llama_dir), **OPTIONS)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 import jax
-import pytest
 
 from zipage_jax import LLM, SamplingParams
 
@@ -14,14 +13,6 @@ from zipage_jax import LLM, SamplingParams
 # batches {1, 2} x table widths {2, 4, 8}, history buckets {64, 128}
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=40, max_num_seqs=4, max_num_batched_tokens=64,
                max_model_len=128, max_cache_blocks_per_seq=2, max_compress_seqs=2, query_cache_len=4)
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tiny_model_factory, model_cache_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
-    yield tiny_model_factory("llama")
-    mp.undo()
 
 
 def mixed_workload(llm: LLM) -> list[list[int]]:

@@ -14,15 +14,9 @@ import pytest
 import uvicorn
 
 from server_harness import (
-    CHAT, COMPLETIONS, GREEDY, MODEL, ROOT, USER, ServerThread, metrics, running_server, slow_steps, wait_for,
+    CHAT, COMPLETIONS, GREEDY, MODEL, ROOT, USER, ServerThread, metrics, slow_steps, wait_for,
     wait_idle)
 from zipage_jax.server import create_app
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_factory, model_cache_dir):
-    with running_server(tiny_model_factory, model_cache_dir) as srv:
-        yield srv
 
 
 # -- the openai client -------------------------------------------------------------------------

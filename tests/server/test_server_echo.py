@@ -9,17 +9,11 @@ import json
 import httpx
 import pytest
 
-from server_harness import COMPLETIONS, ENGINE_OPTIONS, MODEL, running_server
+from server_harness import COMPLETIONS, ENGINE_OPTIONS, MODEL
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import SamplingParams
 
 TOP = 2
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_factory, model_cache_dir):
-    with running_server(tiny_model_factory, model_cache_dir) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,8 @@ import httpx
 import pytest
 
 from server_harness import (
-    COMPLETIONS, MODEL, POISON_SEED, ROW_FAILURE, ROW_FAILURE_SEED, bystander, running_server, slow_steps, sse_events,
+    COMPLETIONS, MODEL, POISON_SEED, ROW_FAILURE, ROW_FAILURE_SEED, bystander, slow_steps, sse_events,
     wait_idle)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_factory, model_cache_dir):
-    with running_server(tiny_model_factory, model_cache_dir) as srv:
-        yield srv
 
 
 @pytest.fixture

@@ -10,18 +10,11 @@ import threading
 import time
 
 import httpx
-import pytest
 
-from server_harness import CHAT, COMPLETIONS, MODEL, USER, bystander, running_server
+from server_harness import CHAT, COMPLETIONS, MODEL, USER, bystander
 from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES
 
 VOCAB = 320  # the tiny model's
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_factory, model_cache_dir):
-    with running_server(tiny_model_factory, model_cache_dir) as srv:
-        yield srv
 
 
 def completion(**fields) -> dict:

@@ -12,7 +12,7 @@ import jsonschema_rs
 import openai
 import pytest
 
-from server_harness import CHAT, COMPLETIONS, MODEL, USER, running_server
+from server_harness import MODEL, USER
 
 SAMPLED = dict(temperature=1.0, seed=7)
 PERSON = {"type": "object", "properties": {
@@ -30,12 +30,6 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
     "additionalProperties": False}}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_factory, model_cache_dir):
-    with running_server(tiny_model_factory, model_cache_dir) as srv:
-        yield srv
 
 
 def test_json_schema_outputs_validate_for_every_completion(server):

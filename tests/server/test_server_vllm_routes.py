@@ -13,18 +13,12 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from server_harness import CHAT, COMPLETIONS, GREEDY, MODEL, ROOT, USER, ServerThread, running_server, sse_events
+from server_harness import CHAT, COMPLETIONS, GREEDY, MODEL, ROOT, USER, ServerThread, sse_events
 from zipage_jax.server import create_app
 from zipage_jax.server.limits import RequestLimits
 
 VOCAB = 320  # the tiny model's
 BLOCK = 16  # ENGINE_OPTIONS' kvcache_block_size
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_factory, model_cache_dir):
-    with running_server(tiny_model_factory, model_cache_dir) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

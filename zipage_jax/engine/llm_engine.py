@@ -7,7 +7,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import jax
 from tqdm.auto import tqdm
 
 from zipage_jax.config import EngineConfig

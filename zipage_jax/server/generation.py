@@ -99,7 +99,9 @@ class Generation:
                 text, logprobs = self._shown(p, o.text, o.logprobs, first=True)
                 choice = self.fmt.choice(p * n + o.index, text, logprobs, o.finish_reason, o.stop_reason,
                                          text_offset=0, streaming=False)
-                choices.append(self._with_prompt_logprobs(p, choice) if self.fmt.object == "text_completion" else choice)
+                if self.fmt.object == "text_completion":  # vLLM's place for completions: each choice
+                    self._with_prompt_logprobs(p, choice)
+                choices.append(choice)
         response = self.fmt.response(choices, self.usage())
         if self.fmt.object != "text_completion":  # chat: vLLM's is the response's (one prompt)
             self._with_prompt_logprobs(0, response)
