@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import pytest
 
+from device_failures import FailingCalls, InjectedFailure
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.engine.llm_engine import MAX_RECOVERIES_IN_A_ROW, EngineFailed
-from zipage_jax.engine.runner import CompiledSteps, DeviceState
 
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
                query_cache_len=4)
@@ -40,40 +39,12 @@ def expected(llm) -> list[list[int]]:
     return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-class InjectedFailure(RuntimeError):
-    pass
+def failing_calls(monkeypatch, llm: LLM, steps, at) -> FailingCalls:
+    """FailingCalls that observe how many output tokens each request had received."""
+    def delivered() -> dict[str, int]:
+        return {rid: r.seqs[0].num_known_tokens - r.seqs[0].num_prompt_tokens for rid, r in llm.engine.requests.items()}
 
-
-class FailingCalls:
-    """Makes calls `at` (1-based, counted from now) of a runner's compiled steps run the real
-    executable, which consumes the donated state, and then raise. Records, per failure, whether
-    the state was consumed and how many output tokens the host had received by then."""
-
-    def __init__(self, monkeypatch, llm: LLM, steps: CompiledSteps, at: set[int]):
-        self.llm, self.at, self.calls = llm, at, 0
-        self.donated: list[bool] = []
-        self.delivered: list[dict[str, int]] = []
-        real_get = steps.get
-
-        def get(key, *args):
-            executable = real_get(key, *args)
-
-            def call(*call_args):
-                out = executable(*call_args)
-                self.calls += 1
-                if self.calls in self.at:
-                    state = next(a for a in call_args if isinstance(a, DeviceState))
-                    self.donated.append(all(leaf.is_deleted() for leaf in jax.tree.leaves(state)))
-                    self.delivered.append(self._delivered())
-                    raise InjectedFailure(f"injected device failure in call {self.calls}")
-                return out
-
-            return call
-
-        monkeypatch.setattr(steps, "get", get)
-
-    def _delivered(self) -> dict[str, int]:
-        return {rid: r.seqs[0].num_known_tokens - r.seqs[0].num_prompt_tokens for rid, r in self.llm.engine.requests.items()}
+    return FailingCalls(monkeypatch, steps, at, delivered)
 
 
 def streamed(llm: LLM, prompts, params) -> list[list[int]]:
@@ -104,10 +75,10 @@ def assert_no_leaks(llm: LLM) -> None:
 @pytest.mark.parametrize("failing_call", [1, 4])  # the prefill; a decode, with tokens delivered before it
 def test_requests_in_flight_finish_with_a_fresh_engines_tokens(llm, expected, monkeypatch, failing_call):
     recoveries = llm.engine.stats.num_recoveries
-    failure = FailingCalls(monkeypatch, llm, llm.engine.runner.forward, {failing_call})
+    failure = failing_calls(monkeypatch, llm, llm.engine.runner.forward, {failing_call})
     assert streamed(llm, PROMPTS, GREEDY) == expected
     assert failure.donated == [True]  # the failure came after the call consumed the state
-    delivered = sum(failure.delivered[0].values())
+    delivered = sum(failure.observed[0].values())
     assert (delivered == 0) if failing_call == 1 else (0 < delivered < 12 * len(PROMPTS))
     assert llm.engine.stats.num_recoveries == recoveries + 1 and llm.engine.healthy
     assert_no_leaks(llm)
@@ -134,12 +105,12 @@ def test_a_failure_inside_compaction(llm, expected, monkeypatch):
     """The compressed request recomputes its delivered tokens under its budget, as a fresh
     request with those tokens as its prompt would (more than a prefill chunk of them: it
     compacts where such a prompt does); the full-KV one beside it is unaffected."""
-    failure = FailingCalls(monkeypatch, llm, llm.engine.runner.compressor, {3})
+    failure = failing_calls(monkeypatch, llm, llm.engine.runner.compressor, {3})
     got = streamed(llm, [PROMPTS[0], PROMPTS[1]], [BUDGETED, GREEDY])
     assert failure.donated == [True]
     monkeypatch.undo()
     assert got[1] == expected[1]
-    k = next(iter(failure.delivered[0].values()))  # the budgeted request's tokens when compaction failed
+    k = next(iter(failure.observed[0].values()))  # the budgeted request's tokens when compaction failed
     assert len(PROMPTS[0]) + k > OPTIONS["max_num_batched_tokens"]
     uninterrupted = llm.generate([PROMPTS[0]], BUDGETED, use_tqdm=False)[0]
     assert got[0][:k] == uninterrupted["token_ids"][:k]
@@ -164,7 +135,7 @@ def test_a_bad_later_prompt_queues_nothing(llm, monkeypatch):
 @pytest.mark.slow  # engines of their own (they end unusable): their compiles
 def test_a_failed_rebuild_leaves_the_engine_unusable(llama_dir, monkeypatch):
     llm = LLM(str(llama_dir), **OPTIONS)
-    FailingCalls(monkeypatch, llm, llm.engine.runner.forward, {2})
+    failing_calls(monkeypatch, llm, llm.engine.runner.forward, {2})
 
     def broken_rebuild():
         raise MemoryError("injected: no room for a fresh KV pool")
@@ -183,7 +154,7 @@ def test_a_failed_rebuild_leaves_the_engine_unusable(llama_dir, monkeypatch):
 
     # a device that keeps failing: the engine gives up rather than recompute forever
     stubborn = LLM(str(llama_dir), **OPTIONS)
-    failure = FailingCalls(monkeypatch, stubborn, stubborn.engine.runner.forward, set(range(1, 100)))
+    failure = failing_calls(monkeypatch, stubborn, stubborn.engine.runner.forward, set(range(1, 100)))
     with pytest.raises(EngineFailed, match=f"{MAX_RECOVERIES_IN_A_ROW + 1} engine steps in a row failed"):
         stubborn.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert failure.calls == MAX_RECOVERIES_IN_A_ROW + 1
