@@ -4,7 +4,8 @@
 
 Every EngineConfig field is a flag (--max-num-seqs, --num-kvcache-blocks, ...). The server
 answers at once; /health is 503 until the model has loaded, then 200. Exits with status 1 if
-the model fails to load. Request counts are unbounded unless a --max-* flag below bounds them,
+the model fails to load, or once the engine fails for good (a failed device step it could not
+recover from). Request counts are unbounded unless a --max-* flag below bounds them,
 as in vLLM; docs/openai-compatibility.md lists every parameter and route.
 """
 
@@ -60,14 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     options = engine_options(args)
     options.setdefault("model", "default")
 
-    def on_load_error(exc: BaseException) -> None:
+    def stop(exc: BaseException) -> None:  # the model failed to load, or the engine failed
         server.should_exit = True
 
     try:  # bad flags fail here, before binding the port
         EngineConfig.from_options(**options)
         limits = RequestLimits(**{field: getattr(args, field) for field in FLAGS})
         app = create_app(lambda: LLMEngine(**options), args.served_model_name or [options["model"]],
-                         on_load_error, max_n=args.max_n, max_request_bytes=args.max_request_bytes, limits=limits)
+                         stop, max_n=args.max_n, max_request_bytes=args.max_request_bytes, limits=limits,
+                         on_engine_error=stop)
         start_distributed(args)
     except ValueError as exc:
         parser.error(str(exc))
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     server.run()
-    return 1 if app.state.engine_loop.load_error is not None else 0
+    engine_loop = app.state.engine_loop
+    return 1 if engine_loop.load_error is not None or engine_loop.engine_error is not None else 0
 
 
 if __name__ == "__main__":

@@ -25,11 +25,9 @@ class LLM:
         """One dict per prompt, in order: text, token_ids, finish_reason, metrics, outputs (all n)."""
         prompts, params = self._normalise(prompts, sampling_params)
         finals: dict[str, RequestOutput] = {}
-        ids = []
+        ids = self._add(prompts, params)
         bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
@@ -50,7 +48,7 @@ class LLM:
                | None = None) -> Iterator[RequestOutput]:
         """Yields a RequestOutput (with delta_text / delta_token_ids) whenever a request advances."""
         prompts, params = self._normalise(prompts, sampling_params)
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        ids = self._add(prompts, params)
         try:
             while self.engine.has_unfinished_requests():
                 yield from self.engine.step()
@@ -67,6 +65,10 @@ class LLM:
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)
+
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+        """Queues every prompt, or none when one is refused (ValueError)."""
+        return self.engine.add_requests([(prompt, p, None) for prompt, p in zip(prompts, params)])
 
     @staticmethod
     def _normalise(prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:

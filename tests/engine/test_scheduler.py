@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -155,7 +156,7 @@ class Loop:
 def _state(seq: Sequence, bs: int, chunk_blocks: int) -> dict:
     # full: at its budget and one chunk while computing its prompt, at its budget and the next block after it
     m = seq.budget_blocks
-    peak = None if m is None else m + (chunk_blocks if seq.num_computed_tokens < seq.num_prompt_tokens else 1)
+    peak = None if m is None else m + (chunk_blocks if seq.num_computed_tokens < seq.num_prefill_tokens else 1)
     full = (m is not None and seq.status == SequenceStatus.RUNNING
             and len(seq.block_table) >= peak and seq.num_kv_slots == len(seq.block_table) * bs)
     return dict(full=full, kv=seq.num_kv_slots, compressed=seq.compressed, compressing=seq.compressing)
@@ -319,6 +320,53 @@ def test_a_compression_that_needs_blocks_for_shared_ones_preempts():
     plan, out = next((p, o) for o in loop.history for p in o.compressions if p.seq is parent)
     assert set(plan.target_table).isdisjoint(plan.source_table)  # both kept blocks were shared
     assert out.preempted, "the blocks for the shared ones came from a preemption"
+    loop.check_all_freed()
+
+
+def test_a_failed_compaction_gives_back_its_replacement_blocks(monkeypatch):
+    loop = Loop(32, 4, max_num_batched_tokens=16, num_query_slots=2, query_cache_len=1)
+    p = prompt(14, 0)
+    parent = loop.add(p, max_tokens=12, budget=1)
+    loop.add(p, max_tokens=12, budget=1, parent=parent)  # shares the parent's first 3 blocks
+    outs = []
+    schedule = loop.sched.schedule
+    monkeypatch.setattr(loop.sched, "schedule", lambda: outs.append(schedule()) or outs[-1])
+
+    def failing_compaction(plan):
+        raise RuntimeError("injected compaction failure")
+
+    monkeypatch.setattr(loop.device, "compact", failing_compaction)
+    with pytest.raises(RuntimeError, match="injected"):
+        loop.run()
+    plans = outs[-1].compressions
+    fresh = [t for plan in plans for t, s in zip(plan.target_table, plan.source_table) if t != s]
+    assert fresh, "no replacement block was allocated: the test shows nothing"
+    live = [s for s in loop.seqs if not s.is_finished]
+    check_block_manager(loop.bm, live, pending=fresh)
+    loop.sched.abort_compressions(outs[-1])
+    check_block_manager(loop.bm, live)  # the replacements are free again, every ref count as before
+    assert all(loop.bm.blocks[b].ref_count == 0 and b in loop.bm.free_block_ids for b in fresh)
+    assert all(plan.seq.block_table == plan.source_table and not plan.seq.compressing for plan in plans)
+
+
+def test_requeue_all_recomputes_every_sequence_from_its_tokens_on_a_fresh_device():
+    loop = Loop(24, 4, max_num_batched_tokens=8, query_cache_len=1)
+    seqs = [loop.add(prompt(6, i), max_tokens=20, budget=1 if i % 2 else None) for i in range(4)]
+    for _ in range(12):
+        loop.step()
+    assert any(s.compressed for s in loop.sched.running), "no compressed sequence was running"
+    running, waiting = list(loop.sched.running), list(loop.sched.waiting)
+    running[0].append_pending()  # a token still on the (lost) device
+    known = {s: s.token_ids[:s.num_known_tokens] for s in seqs}
+    loop.sched.requeue_all()
+    assert list(loop.sched.waiting) == running + waiting and loop.sched.running == []
+    assert {s: s.token_ids for s in seqs} == known  # what the host knew stays, the pending token goes
+    assert loop.bm.num_free_blocks == loop.bm.num_usable_blocks and loop.bm.hash_to_block_id == {}
+    assert loop.sched.query_slots.in_use == loop.sched.state_slots.in_use == 0
+    assert all(s.num_computed_tokens == s.num_kv_slots == 0 and not s.compressed for s in seqs)
+    loop.device = FakeDevice(24, 4, 8, 1)  # nothing of the old pool may be read again
+    loop.run()
+    assert all(s.num_output_tokens == 20 and s.token_ids[:len(known[s])] == known[s] for s in seqs)
     loop.check_all_freed()
 
 

@@ -26,6 +26,9 @@ class _Request:
 
 
 class ScriptedEngine:
+    failed = None  # it never fails for good
+    healthy = True
+
     def __init__(self, **options):
         self._engine = LLMEngine(**options)
         self.config, self.tokenizer = self._engine.config, self._engine.tokenizer

@@ -4,6 +4,7 @@ demand) and the helpers the test_server* modules share."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import re
 import socket
@@ -106,6 +107,14 @@ def running_server(tiny_model_factory, model_cache_dir, engine_class=FaultyEngin
             yield srv
         finally:
             srv.close()
+
+
+def serve_script():
+    """scripts/serve_jax.py as a module."""
+    spec = importlib.util.spec_from_file_location("serve_jax", ROOT / "scripts" / "serve_jax.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def wait_for(condition, timeout: float, message: str) -> None:

@@ -4,7 +4,6 @@ with the official openai client and raw HTTP."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import socket
 import threading
 
@@ -14,7 +13,7 @@ import pytest
 import uvicorn
 
 from server_harness import (
-    CHAT, COMPLETIONS, GREEDY, MODEL, ROOT, USER, ServerThread, metrics, slow_steps, wait_for,
+    CHAT, COMPLETIONS, GREEDY, MODEL, USER, ServerThread, metrics, serve_script, slow_steps, wait_for,
     wait_idle)
 from zipage_jax.server import create_app
 
@@ -320,13 +319,6 @@ def test_n_above_the_servers_max_n_is_refused_even_while_loading():
         srv.close()
 
 
-def _serve_script():
-    spec = importlib.util.spec_from_file_location("serve_jax", ROOT / "scripts" / "serve_jax.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_script_binds_localhost_and_exits_when_the_model_cannot_load(tmp_path, caplog, monkeypatch):
     bound = []
     run = uvicorn.Server.run
@@ -340,14 +332,14 @@ def test_script_binds_localhost_and_exits_when_the_model_cannot_load(tmp_path, c
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     missing = str(tmp_path / "no-model")
-    assert _serve_script().main(["--model", missing, "--port", str(port), "--kvcache-block-size", "16"]) == 1
+    assert serve_script().main(["--model", missing, "--port", str(port), "--kvcache-block-size", "16"]) == 1
     assert bound == [("127.0.0.1", port)]
     assert "no-model' does not exist" in caplog.text
 
 
 def test_script_rejects_bad_engine_flags(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _serve_script().main(["--kvcache-block-size", "24"])
+        serve_script().main(["--kvcache-block-size", "24"])
     assert exit_info.value.code == 2 and "kvcache_block_size" in capsys.readouterr().err
 
 
@@ -357,5 +349,5 @@ def test_script_rejects_bad_engine_flags(capsys):
                                                   ("--max-stop-strings", "0", "--max-stop-strings must be >= 1")])
 def test_script_rejects_bad_server_flags(capsys, flag, value, message):
     with pytest.raises(SystemExit) as exit_info:
-        _serve_script().main([flag, value])
+        serve_script().main([flag, value])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err

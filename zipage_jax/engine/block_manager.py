@@ -63,6 +63,13 @@ class BlockManager:
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
+    def reset(self) -> None:
+        """The device lost the pool's contents: every block is free and the prefix cache empty
+        (the sequences' block tables are the caller's to clear; lookup counts stay)."""
+        self.blocks = [Block(i) for i in range(len(self.blocks))]
+        self.free_block_ids = deque(range(1, len(self.blocks)))
+        self.hash_to_block_id = {}
+
     # -- allocation -------------------------------------------------------------------------
 
     def _take_free(self) -> int:
@@ -184,3 +191,10 @@ class BlockManager:
         seq = plan.seq
         seq.block_table = plan.target_table
         seq.num_hashed_blocks = 0
+
+    def abort_compression(self, plan: CompressionPlan) -> None:
+        """The compaction failed: its replacement blocks go back to the free list and the
+        sequence keeps its table (its reused blocks stay out of the prefix cache)."""
+        for source, target in zip(plan.source_table, plan.target_table):
+            if target != source:
+                self._release(target)

@@ -1,10 +1,17 @@
-"""add_request / step / abort: the engine loop over scheduler, runner and postprocessing."""
+"""add_request / step / abort: the engine loop over scheduler, runner and postprocessing.
+
+A step that fails past its inputs (on the device, or while its results are read) costs the
+requests in flight no more than a recompute: the engine rebuilds its device state and every
+sequence computes its delivered tokens again (`_recover`). Only when the rebuild fails, or steps
+keep failing, does the engine become unusable (`failed`) and raise EngineFailed.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import ChainMap, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
@@ -24,6 +31,12 @@ from zipage_jax.models.loading import LoadedModel, load_model
 from zipage_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger("zipage_jax")
+
+MAX_RECOVERIES_IN_A_ROW = 3  # failed steps recovered with no step's tokens read in between
+
+
+class EngineFailed(RuntimeError):
+    """The engine cannot serve any more: rebuilding its device state failed, or steps kept failing."""
 
 
 @dataclass
@@ -61,6 +74,9 @@ class LLMEngine:
         self._in_flight: deque[_InFlight] = deque()
         self.last_step_host_seconds = 0.0  # host work of the latest step (step() less its wait for tokens)
         self._last_fetch = time.perf_counter()
+        self.recovering = False  # rebuilding the device state after a failed step
+        self.failed: BaseException | None = None  # why the engine became unusable
+        self._failures_in_a_row = 0
         if config.warmup:
             self.warmup()
 
@@ -80,6 +96,11 @@ class LLMEngine:
         return compiled
 
     @property
+    def healthy(self) -> bool:
+        """The engine can serve now: not rebuilding its device state, and not failed."""
+        return not self.recovering and self.failed is None
+
+    @property
     def max_model_len(self) -> int:
         """Tokens a sequence with a KV budget may reach, prompt included (full KV: also at most
         the pool's tokens, `pool.max_full_kv_len`)."""
@@ -91,11 +112,28 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queues a request; raises ValueError, naming the field, for anything this engine cannot
         run (engine/admission.py), before it joins any batch."""
-        request = self.admission.admit(prompt, params, request_id, self.requests)
-        self.requests[request.request_id] = request
-        for seq in request.seqs:
-            self.scheduler.add(seq)
-        return request.request_id
+        return self.add_requests([(prompt, params, request_id)])[0]
+
+    def add_requests(self, requests: Sequence[tuple[str | list[int], SamplingParams | None, str | None]]
+                     ) -> list[str]:
+        """Queues (prompt, params, request_id) each, all or none: every one is admitted before any
+        is queued (ValueError naming the field, and the position when there are several)."""
+        self._check_usable()
+        admitted: dict[str, Request] = {}
+        in_use = ChainMap(self.requests, admitted)
+        for i, (prompt, params, request_id) in enumerate(requests):
+            try:
+                request = self.admission.admit(prompt, params, request_id, in_use)
+            except ValueError as exc:
+                if len(requests) == 1:
+                    raise
+                raise ValueError(f"prompt {i}: {exc}") from exc
+            admitted[request.request_id] = request
+        for request in admitted.values():
+            self.requests[request.request_id] = request
+            for seq in request.seqs:
+                self.scheduler.add(seq)
+        return list(admitted)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)
@@ -117,11 +155,16 @@ class LLMEngine:
         """schedule -> run -> postprocess. With asynchronous scheduling `run` hands back the
         tokens of the step before (the device computes this one meanwhile), else this step's own;
         while a structured output's token is in flight, that step is read before scheduling."""
+        self._check_usable()
         start, wait_before = time.perf_counter(), self.stats.device_wait_seconds
         collected = StepOutputs(self.requests, self.scheduler)
-        self._resolve_constrained(collected)
-        scheduled = self.scheduler.schedule()
-        results, failures = self._run(scheduled)
+        try:
+            self._resolve_constrained(collected)
+            scheduled = self.scheduler.schedule()
+            results, failures = self._run(scheduled)
+        except Exception as exc:  # noqa: BLE001 - a device or runtime failure: recompute, or give up
+            self._recover(exc)
+            results, failures = [], []  # what `collected` holds was delivered before the failure
         outputs = self._postprocess(collected, results, failures)
         self._end_step(start, wait_before)
         return outputs
@@ -138,7 +181,11 @@ class LLMEngine:
         """Compaction, then this step's forward dispatched, then the tokens of the steps the
         host may read now."""
         if scheduled.compressions:
-            self.runner.compress(scheduled.compressions)
+            try:
+                self.runner.compress(scheduled.compressions)
+            except Exception:
+                self.scheduler.abort_compressions(scheduled)
+                raise
             self.stats.kv_tokens_evicted += self.scheduler.finish_compressions(scheduled)
             self.stats.num_compressions += len(scheduled.compressions)
         failures: list[RowFailure] = []
@@ -161,11 +208,43 @@ class LLMEngine:
     def _fetch(self, step: _InFlight) -> list[StepResult | PromptLogprobsResult]:
         waiting = time.perf_counter()
         results = list(self.runner.fetch(step.batches))
+        self._failures_in_a_row = 0
         now = time.perf_counter()
         self.stats.device_wait_seconds += now - waiting
         self.stats.account(now - max(step.dispatched_at, self._last_fetch), step.num_prefill, step.num_decode)
         self._last_fetch = now
         return results
+
+    def _recover(self, error: Exception) -> None:
+        """A step failed past its inputs (inside a compiled call, after it consumed the donated
+        state, or while its results were read): the steps in flight are dropped, every block is
+        freed and the prefix cache cleared (their KV is gone), every sequence is queued again
+        to compute its delivered tokens (Scheduler.requeue_all), and the runner builds a fresh
+        device state. EngineFailed, the engine unusable from then on, if that fails or steps
+        keep failing with no tokens read in between."""
+        self._failures_in_a_row += 1
+        logger.error("engine step failed: %s: %s; rebuilding the device state", type(error).__name__, error,
+                     exc_info=(type(error), error, error.__traceback__))
+        self._in_flight.clear()
+        self.scheduler.requeue_all()
+        if self._failures_in_a_row > MAX_RECOVERIES_IN_A_ROW:
+            self.failed = error
+            raise EngineFailed(f"{self._failures_in_a_row} engine steps in a row failed") from error
+        self.recovering = True
+        try:
+            self.runner.reset_state()
+        except Exception as exc:
+            self.failed = exc
+            raise EngineFailed("rebuilding the device state after a failed step failed") from exc
+        finally:
+            self.recovering = False
+        self.stats.num_recoveries += 1
+        logger.warning("device state rebuilt; %d sequences compute their tokens again", len(self.scheduler.waiting))
+
+    def _check_usable(self) -> None:
+        if self.failed is not None:
+            raise EngineFailed(f"the engine failed and cannot serve: {type(self.failed).__name__}: "
+                               f"{self.failed}") from self.failed
 
     def _postprocess(self, collected: StepOutputs, results: list[StepResult | PromptLogprobsResult],
                      failures: list[RowFailure]) -> list[RequestOutput]:

@@ -220,11 +220,8 @@ class ModelRunner:
             num_query_slots=pool.num_query_slots, query_cache_len=self.query_cache_len, dtype=loaded.model.dtype,
             kv_dtype=pool.kv_dtype, global_score=config.compression.use_global_score)
         make_sampler = functools.partial(SamplerState.zeros, config.max_num_seqs, mc.vocab_size)
-        if self.tp is None:  # committed to the device, so the first call compiles once, not twice
-            device = jax.devices()[0]
-            self.state = jax.device_put(DeviceState(make_kv(), make_sampler()), device)
-        else:
-            self.state = DeviceState(self.tp.make_kv(make_kv), self.tp.replicate(make_sampler()))
+        self._make_kv, self._make_sampler = make_kv, make_sampler
+        self.state = self._fresh_state()
         self.compression = config.compression
         self.forward = CompiledSteps("forward", _forward_and_sample, fns=self.fns, params_def=self.params_def,
                                      backend=self.backend, tp=self.tp)
@@ -232,6 +229,21 @@ class ModelRunner:
                                         tp=self.tp)
         self.seeder = CompiledSteps("history", _seed_history)
         self.compress_seconds = 0.0  # measured with config.profile_compaction only
+
+    def _fresh_state(self) -> DeviceState:
+        """An empty KV pool and sampler state, placed as every compiled step expects them."""
+        if self.tp is None:  # committed to the device, so the first call compiles once, not twice
+            return jax.device_put(DeviceState(self._make_kv(), self._make_sampler()), jax.devices()[0])
+        return DeviceState(self.tp.make_kv(self._make_kv), self.tp.replicate(self._make_sampler()))
+
+    def reset_state(self) -> None:
+        """After a failed step: frees what is left of the device state (a failed call may have
+        consumed it, or left it holding poisoned buffers) and builds a fresh one. The compiled
+        executables stay valid: the new state has the old one's shapes and placement."""
+        for leaf in jax.tree.leaves(self.state):
+            if not leaf.is_deleted():
+                leaf.delete()  # the old pool goes before the new one is allocated
+        self.state = self._fresh_state()
 
     @property
     def params(self):

@@ -4,7 +4,8 @@ FCFS; running sequences first (decodes and prefill chunks), then admission from 
 queue, all under `max_num_batched_tokens`. Prefill chunks are laid over rows of
 `prefill_row_size` tokens, and a step holds at most max_num_batched_tokens / prefill_row_size
 prefill rows, so the prefill step's shape stays within the compiled grid. A sequence at its KV budget is compressed instead
-of growing, in prefill too: while a sequence computes its prompt it holds at most its budget
+of growing, in prefill too: while a sequence computes its prompt (after a recompute, every
+token it had) it holds at most its budget
 and one chunk's blocks (`chunk_blocks` = max_num_batched_tokens / block size), and compacts
 whenever it reaches that; once past its prompt, whenever its M + 1 blocks are full. Both points
 depend on the sequence alone, not on how its prompt was cut into chunks, so a request's output
@@ -172,7 +173,7 @@ class Scheduler:
 
     @staticmethod
     def _in_prompt(seq: Sequence) -> bool:
-        return seq.num_computed_tokens < seq.num_prompt_tokens
+        return seq.num_computed_tokens < seq.num_prefill_tokens
 
     def _chunk_size(self, seq: Sequence, budget: StepBudget) -> int:
         """Tokens to compute now, within the step's tokens and prefill rows; a budgeted prompt
@@ -232,9 +233,38 @@ class Scheduler:
         self.query_slots.release(seq)
         self.state_slots.release(seq)
         seq.reset_for_recompute()
+        seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
         self.num_preemptions += 1
+
+    def requeue_all(self) -> None:
+        """The device lost every sequence's KV (a failed step): each running sequence goes back
+        to the head of the queue, in order, to compute its tokens again, and tokens still on
+        the device (PENDING) are dropped, to be sampled again. What the host delivered stays:
+        tokens, stop checkers and structured-output matchers saw only those.
+
+        A compressed sequence recomputes its tokens as a prompt under its budget, compacting as
+        a fresh request on those tokens would: its KV stays within the budget, though the kept
+        subset may differ from the one lost, so its later tokens can differ from an
+        uninterrupted run's (as after any change of the tokens kept)."""
+        for seq in self.waiting:
+            seq.drop_pending()
+        for seq in reversed(self.running):
+            seq.drop_pending()
+            self.query_slots.release(seq)
+            self.state_slots.release(seq)
+            seq.reset_for_recompute()
+            self.waiting.appendleft(seq)
+        self.running = []
+        self.block_manager.reset()
+
+    def abort_compressions(self, out: SchedulerOutput) -> None:
+        """The step's compaction raised: its plans are undone (their replacement blocks freed)
+        and the sequences keep their blocks."""
+        for plan in out.compressions:
+            self.block_manager.abort_compression(plan)
+            plan.seq.compressing = False
 
     def finish_compressions(self, out: SchedulerOutput) -> int:
         """The step that compacts them has been dispatched. Returns the number of tokens evicted."""

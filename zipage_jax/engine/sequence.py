@@ -60,6 +60,9 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     num_prompt_tokens: int = 0
+    # tokens computed as a prompt is (chunks up to the budget's peak): the prompt, and after a
+    # recompute every token the sequence had then
+    num_prefill_tokens: int = 0
     num_computed_tokens: int = 0
     num_kv_slots: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -80,6 +83,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+        self.num_prefill_tokens = self.num_prefill_tokens or self.num_prompt_tokens
         self.max_len = self.max_len or (1 << 62)
 
     def __len__(self) -> int:
@@ -144,8 +148,10 @@ class Sequence:
         return max(start, (start // bs) * bs + query_tail_start(bs, self.query_cache_len))
 
     def reset_for_recompute(self) -> None:
-        """Preemption by recompute: forget all KV, keep the tokens generated so far."""
+        """Forget all KV, keep the tokens generated so far: they are computed again as a prompt
+        (preemption by recompute, recovery from a failed step)."""
         self.status = SequenceStatus.WAITING
+        self.num_prefill_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
         self.num_kv_slots = 0
         self.block_table = []
@@ -153,4 +159,3 @@ class Sequence:
         self.compressed = False
         self.compressing = False
         self.state_fresh = False
-        self.metrics.num_preemptions += 1

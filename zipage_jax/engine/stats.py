@@ -27,6 +27,7 @@ class EngineStats:
     decode_seconds: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    num_recoveries: int = 0  # device-state rebuilds after a failed step
     num_compiles: int = 0  # programs compiled since the engine started (warm-up included)
     num_steps: int = 0
     step_seconds: float = 0.0  # wall time inside step()
@@ -47,4 +48,4 @@ class EngineStats:
                 f"prefix-cache hit rate {100 * self.prefix_cache_hit_rate:.1f}%, "
                 f"compressions {self.num_compressions}, evicted tokens {self.kv_tokens_evicted}, "
                 f"at budget {self.seqs_at_budget}, query slots {self.query_slots_in_use}/{self.num_query_slots}, "
-                f"preemptions {self.num_preemptions}")
+                f"preemptions {self.num_preemptions}, recoveries {self.num_recoveries}")

@@ -3,7 +3,8 @@
     app = create_app(lambda: LLMEngine(model="default"), ["default"])
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-The model loads in the engine thread once the app starts; until then /health answers 503.
+The model loads in the engine thread once the app starts; until then /health answers 503, as it
+does while the engine rebuilds its device state after a failed step, and once it has failed.
 Request bodies are parsed, chat templates rendered and prompts tokenized in a Preprocessor
 thread, never on the event loop. Besides OpenAI's routes it serves vLLM's /tokenize,
 /detokenize and /version (docs/openai-compatibility.md lists what is supported).
@@ -47,9 +48,11 @@ _GENERATION_ERRORS = (400, 404, 413, 500, 503)
 
 def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list[str],
                on_load_error: Callable[[BaseException], None] | None = None, *, max_n: int = MAX_N,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: RequestLimits | None = None) -> FastAPI:
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: RequestLimits | None = None,
+               on_engine_error: Callable[[BaseException], None] | None = None) -> FastAPI:
     """`max_n` caps n (never above MAX_N, nor the engine's max_num_seqs); a body over
-    `max_request_bytes` is answered 413 unread; `limits` bounds other counts (default: none)."""
+    `max_request_bytes` is answered 413 unread; `limits` bounds other counts (default: none);
+    `on_engine_error(exc)` runs (in the engine thread) once the engine can no longer serve."""
     served = ServedModels(served_model_names)
     limits = limits or RequestLimits()
     if not 1 <= max_n <= MAX_N:
@@ -59,7 +62,7 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
     metrics = ServerMetrics(served.names[0], lambda: engine_loop.stats)
     preprocessor = Preprocessor()
     engine_loop = EngineLoop(engine_factory, observer=metrics, on_load_error=on_load_error,
-                             on_loaded=preprocessor.prepare)
+                             on_loaded=preprocessor.prepare, on_engine_error=on_engine_error)
     version = _package_version()
 
     @asynccontextmanager
@@ -82,6 +85,8 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
         if not engine_loop.ready.is_set():
             raise OpenAIError(503, "the model is still loading" if engine_loop.load_error is None
                               else "the model failed to load (the server's log says why)")
+        if engine_loop.engine.failed is not None:
+            raise OpenAIError(503, "the engine failed and cannot serve (the server's log says why)")
         return engine_loop.engine
 
     def admit(body: SamplingFields) -> LLMEngine:
@@ -98,7 +103,8 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
     @app.get("/health", response_model=None, responses=responses(Health, 500, 503))
     async def health() -> JSONResponse:
         try:
-            ready_engine()
+            if not ready_engine().healthy:  # a failed engine is refused above
+                raise OpenAIError(503, "the engine is rebuilding its device state after a failed step")
         except OpenAIError as exc:
             return exc.response()
         return JSONResponse({"status": "ok"})

@@ -2,9 +2,11 @@
 
 The event loop sends commands (add, abort) through a queue that the engine thread drains
 between steps; outputs go back to per-request asyncio queues via call_soon_threadsafe. An
-output whose `error` is set fails its request alone; a step that raises (a device failure)
-fails every request in flight, and the loop keeps serving. The real errors go to the log,
-under the engine request ids (the HTTP request id followed by the prompt's index).
+output whose `error` is set fails its request alone. A device failure inside a step is the
+engine's to recover from (its requests go on); a step that raises anyway fails every request in
+flight, and the loop keeps serving, unless the engine says it failed for good (`engine.failed`):
+then `engine_error` is set and `on_engine_error` called (the server exits). The real errors go
+to the log, under the engine request ids (the HTTP request id followed by the prompt's index).
 """
 
 from __future__ import annotations
@@ -61,12 +63,15 @@ _STOP = object()
 class EngineLoop:
     def __init__(self, factory: Callable[[], LLMEngine], observer: OutputObserver | None = None,
                  on_load_error: Callable[[BaseException], None] | None = None,
-                 on_loaded: Callable[[LLMEngine], None] | None = None):
+                 on_loaded: Callable[[LLMEngine], None] | None = None,
+                 on_engine_error: Callable[[BaseException], None] | None = None):
         """`on_loaded(engine)` runs in the engine thread once the model has loaded, before
-        `ready` is set (a failure there is a load failure)."""
+        `ready` is set (a failure there is a load failure); `on_engine_error(exc)` once the
+        engine has become unusable."""
         self._factory = factory
         self._observer = observer
         self._on_load_error = on_load_error
+        self._on_engine_error = on_engine_error
         self._on_loaded = on_loaded
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}  # engine thread only
@@ -75,6 +80,7 @@ class EngineLoop:
         self.engine: LLMEngine | None = None
         self.tokenizer: Any = None  # a copy of the engine's, for the event loop's exclusive use
         self.load_error: BaseException | None = None
+        self.engine_error: BaseException | None = None  # the engine became unusable
         self.ready = threading.Event()
         self.stats: EngineStats | None = None  # a snapshot taken by the engine thread
 
@@ -162,10 +168,18 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception:
-            logger.exception("engine step failed; failing the requests in flight: %s", ", ".join(self._sinks))
-            self._fail_all(RequestFailed("engine step failed"))
-            time.sleep(_FAILURE_BACKOFF_S)
+        except Exception as exc:
+            if self.engine.failed is None:
+                logger.exception("engine step failed; failing the requests in flight: %s", ", ".join(self._sinks))
+                self._fail_all(RequestFailed("engine step failed"))
+                time.sleep(_FAILURE_BACKOFF_S)
+                return
+            logger.exception("the engine failed and cannot serve; failing the requests in flight: %s",
+                             ", ".join(self._sinks))
+            self.engine_error = exc
+            self._fail_all(RequestFailed("the engine failed"))
+            if self._on_engine_error is not None:
+                self._on_engine_error(exc)
             return
         now = time.monotonic()
         deliveries = []

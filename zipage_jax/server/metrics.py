@@ -42,6 +42,7 @@ _COUNTERS = (
     ("vllm:prefix_cache_hits", "Prefix-cache hits.", "prefix_cache_hits"),
     ("zipage:compressions", "KV-cache compressions run.", "num_compressions"),
     ("zipage:kv_tokens_evicted", "KV tokens evicted by compression.", "kv_tokens_evicted"),
+    ("zipage:engine_recoveries", "Device-state rebuilds after a failed engine step.", "num_recoveries"),
 )
 
 

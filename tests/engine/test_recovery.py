@@ -1,0 +1,162 @@
+"""A failed device step: the engine rebuilds its device state and the requests in flight finish as
+if nothing had happened; a rebuild that fails leaves the engine unusable. The failures are
+injected inside the real compiled calls, after they consumed the donated state."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from device_failures import FailingCalls, InjectedFailure
+from zipage_jax import LLM, SamplingParams
+from zipage_jax.engine.llm_engine import MAX_RECOVERIES_IN_A_ROW, EngineFailed
+
+OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
+               query_cache_len=4)
+PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 8, 11, 64, 65, 66, 3, 9, 1, 2, 77, 31, 33, 12], [300, 1, 2, 3], [7] * 37,
+           [200, 201]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+BUDGETED = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True, kv_budget=32)  # M = 2 blocks
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_factory, model_cache_dir):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
+    yield tiny_model_factory("llama")
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir) -> LLM:
+    return LLM(str(llama_dir), **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def expected(llm) -> list[list[int]]:
+    """The fresh engine's greedy tokens, before any failure."""
+    return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def failing_calls(monkeypatch, llm: LLM, steps, at) -> FailingCalls:
+    """FailingCalls that observe how many output tokens each request had received."""
+    def delivered() -> dict[str, int]:
+        return {rid: r.seqs[0].num_known_tokens - r.seqs[0].num_prompt_tokens for rid, r in llm.engine.requests.items()}
+
+    return FailingCalls(monkeypatch, steps, at, delivered)
+
+
+def streamed(llm: LLM, prompts, params) -> list[list[int]]:
+    """Each request's tokens as its outputs delivered them (deltas, concatenated: none twice),
+    checked against its final output; in the order of `prompts`."""
+    engine = llm.engine
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    ids = engine.add_requests([(p, sp, None) for p, sp in zip(prompts, params)])
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.outputs[0].delta_token_ids)
+            if out.finished:
+                finals[out.request_id] = out.outputs[0]
+    assert all(finals[rid].token_ids == tokens[rid] and finals[rid].finish_reason == "length" for rid in ids)
+    return [tokens[rid] for rid in ids]
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests() and engine.requests == {}
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    assert engine.scheduler.query_slots.in_use == engine.scheduler.state_slots.in_use == 0
+
+
+@pytest.mark.parametrize("failing_call", [1, 4])  # the prefill; a decode, with tokens delivered before it
+def test_requests_in_flight_finish_with_a_fresh_engines_tokens(llm, expected, monkeypatch, failing_call):
+    recoveries = llm.engine.stats.num_recoveries
+    failure = failing_calls(monkeypatch, llm, llm.engine.runner.forward, {failing_call})
+    assert streamed(llm, PROMPTS, GREEDY) == expected
+    assert failure.donated == [True]  # the failure came after the call consumed the state
+    delivered = sum(failure.observed[0].values())
+    assert (delivered == 0) if failing_call == 1 else (0 < delivered < 12 * len(PROMPTS))
+    assert llm.engine.stats.num_recoveries == recoveries + 1 and llm.engine.healthy
+    assert_no_leaks(llm)
+
+
+def test_a_failure_while_reading_a_steps_tokens(llm, expected, monkeypatch):
+    runner, calls = llm.engine.runner, []
+    fetch = runner.fetch
+
+    def failing_fetch(batches):
+        results = list(fetch(batches))  # the device finished the step; its tokens are lost in transit
+        calls.append(len(results))
+        if len(calls) == 3:
+            raise InjectedFailure("injected failure while reading a step's tokens")
+        return iter(results)
+
+    monkeypatch.setattr(runner, "fetch", failing_fetch)
+    assert streamed(llm, PROMPTS, GREEDY) == expected
+    assert len(calls) > 3 and llm.engine.healthy
+    assert_no_leaks(llm)
+
+
+def test_a_failure_inside_compaction(llm, expected, monkeypatch):
+    """The compressed request recomputes its delivered tokens under its budget, as a fresh
+    request with those tokens as its prompt would (more than a prefill chunk of them: it
+    compacts where such a prompt does); the full-KV one beside it is unaffected."""
+    failure = failing_calls(monkeypatch, llm, llm.engine.runner.compressor, {3})
+    got = streamed(llm, [PROMPTS[0], PROMPTS[1]], [BUDGETED, GREEDY])
+    assert failure.donated == [True]
+    monkeypatch.undo()
+    assert got[1] == expected[1]
+    k = next(iter(failure.observed[0].values()))  # the budgeted request's tokens when compaction failed
+    assert len(PROMPTS[0]) + k > OPTIONS["max_num_batched_tokens"]
+    uninterrupted = llm.generate([PROMPTS[0]], BUDGETED, use_tqdm=False)[0]
+    assert got[0][:k] == uninterrupted["token_ids"][:k]
+    rest = llm.generate([PROMPTS[0] + got[0][:k]], dataclasses.replace(BUDGETED, max_tokens=BUDGETED.max_tokens - k),
+                        use_tqdm=False)[0]
+    assert rest["metrics"]["num_compressions"] > 0 and got[0][k:] == rest["token_ids"]
+    assert_no_leaks(llm)
+
+
+def test_a_bad_later_prompt_queues_nothing(llm, monkeypatch):
+    added = []
+    add = llm.engine.scheduler.add
+    monkeypatch.setattr(llm.engine.scheduler, "add", lambda seq: added.append(seq) or add(seq))
+    bad = [PROMPTS[0], PROMPTS[1], [10**9]]
+    with pytest.raises(ValueError, match=r"prompt 2: prompt token ids must be integers"):
+        llm.generate(bad, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt 2: prompt token ids must be integers"):
+        next(llm.stream(bad, GREEDY))
+    assert added == [] and llm.engine.requests == {} and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow  # engines of their own (they end unusable): their compiles
+def test_a_failed_rebuild_leaves_the_engine_unusable(llama_dir, monkeypatch):
+    llm = LLM(str(llama_dir), **OPTIONS)
+    failing_calls(monkeypatch, llm, llm.engine.runner.forward, {2})
+
+    def broken_rebuild():
+        raise MemoryError("injected: no room for a fresh KV pool")
+
+    monkeypatch.setattr(llm.engine.runner, "_fresh_state", broken_rebuild)
+    with pytest.raises(EngineFailed, match="rebuilding the device state") as info:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert isinstance(info.value.__cause__, MemoryError)
+    engine = llm.engine
+    assert not engine.healthy and isinstance(engine.failed, MemoryError) and not engine.recovering
+    assert engine.requests == {} and not engine.has_unfinished_requests()  # generate gave its requests up
+    with pytest.raises(EngineFailed, match="the engine failed and cannot serve: MemoryError: injected"):
+        engine.add_request(PROMPTS[0], GREEDY)
+    with pytest.raises(EngineFailed, match="cannot serve"):
+        engine.step()
+
+    # a device that keeps failing: the engine gives up rather than recompute forever
+    stubborn = LLM(str(llama_dir), **OPTIONS)
+    failure = failing_calls(monkeypatch, stubborn, stubborn.engine.runner.forward, set(range(1, 100)))
+    with pytest.raises(EngineFailed, match=f"{MAX_RECOVERIES_IN_A_ROW + 1} engine steps in a row failed"):
+        stubborn.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert failure.calls == MAX_RECOVERIES_IN_A_ROW + 1
+    assert stubborn.engine.stats.num_recoveries == MAX_RECOVERIES_IN_A_ROW
+    assert isinstance(stubborn.engine.failed, InjectedFailure)
