@@ -9,16 +9,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from zipage_jax.engine.llm_engine import LLMEngine
-from zipage_jax.server.limits import RequestLimits
 from zipage_jax.server.openapi import Detokenized, Tokenized, request_body, responses
 from zipage_jax.server.preprocess import Preprocessor
-from zipage_jax.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
+from zipage_jax.server.protocol import DetokenizeRequest, TokenizeRequest
 from zipage_jax.server.served import ServedModels
 
-_ERRORS = (400, 404, 413, 500, 503)
+_ERRORS = (400, 404, 413, 415, 500, 503)
 
 
-def add_tokenization_routes(app: FastAPI, served: ServedModels, limits: RequestLimits, preprocessor: Preprocessor,
+def add_tokenization_routes(app: FastAPI, served: ServedModels, preprocessor: Preprocessor,
                             ready_engine: Callable[[], LLMEngine]) -> None:
     """`ready_engine()`: the loaded engine, else OpenAIError 503."""
 
@@ -28,8 +27,6 @@ def add_tokenization_routes(app: FastAPI, served: ServedModels, limits: RequestL
         body = (await preprocessor.body(request, TokenizeRequest)).root
         if body.model is not None:
             served.check(body.model)
-        if isinstance(body, TokenizeChatRequest):
-            limits.check_messages(body.messages)
         max_model_len = ready_engine().max_model_len
         ids, token_strs = await preprocessor.run(preprocessor.tokenize, body)
         return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
