@@ -7,8 +7,8 @@ The model loads in the engine thread once the app starts; until then /health ans
 Request bodies are parsed, chat templates rendered and prompts tokenized in a Preprocessor
 thread, and outputs with log-probabilities formatted in the FormatThread, never on the event
 loop. Generation requests are admitted while the queue has room (admission.py); with an API
-key, the /v1 and tokenizer routes need it (auth.py). Besides OpenAI's routes it serves vLLM's /tokenize,
-/detokenize and /version (docs/openai-compatibility.md lists what is supported).
+key, the /v1 and tokenizer routes need it (auth.py). Besides OpenAI's routes it serves vLLM's
+/tokenize, /detokenize and /version (docs/openai-compatibility.md lists what is supported).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """vLLM's tokenizer routes: POST /tokenize (a prompt, or chat messages rendered with the
-template) and POST /detokenize. Tokenizing runs in the Preprocessor's threads."""
+template) and POST /detokenize. Tokenizing, and rendering /tokenize's answer, run in the
+Preprocessor's threads."""
 
 from __future__ import annotations
 
@@ -28,9 +29,13 @@ def add_tokenization_routes(app: FastAPI, served: ServedModels, preprocessor: Pr
         if body.model is not None:
             served.check(body.model)
         max_model_len = ready_engine().max_model_len
-        ids, token_strs = await preprocessor.run(preprocessor.tokenize, body)
-        return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
-                             "token_strs": token_strs})
+
+        def tokenized() -> JSONResponse:  # rendered in the pool too: a response of a million ids takes a while
+            ids, token_strs = preprocessor.tokenize(body)
+            return JSONResponse({"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                                 "token_strs": token_strs})
+
+        return await preprocessor.run(tokenized)
 
     @app.post("/detokenize", response_model=None, openapi_extra=request_body(DetokenizeRequest),
               responses=responses(Detokenized, *_ERRORS))
