@@ -5,14 +5,18 @@
 Every EngineConfig field is a flag (--max-num-seqs, --num-kvcache-blocks, ...). The server
 answers at once; /health is 503 until the model has loaded, then 200. Exits with status 1 if
 the model fails to load, or once the engine fails for good (a failed device step it could not
-recover from). Request counts are unbounded unless a --max-* flag below bounds them,
-as in vLLM; docs/openai-compatibility.md lists every parameter and route.
+recover from). Prompts and stop strings per request are unbounded unless a --max-* flag below
+bounds them, as in vLLM; chat messages, their text and the queue have generous bounds. With
+--api-key (or ZIPAGE_API_KEY / VLLM_API_KEY) the /v1 and tokenizer routes need
+`Authorization: Bearer KEY`. docs/openai-compatibility.md lists every parameter and route.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 import sys
 
 import uvicorn
@@ -22,10 +26,12 @@ from zipage_jax.config import EngineConfig
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import MAX_N
 from zipage_jax.server import create_app
+from zipage_jax.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, QUEUE_FLAG
+from zipage_jax.server.auth import KEY_VARIABLES, api_key_from
 from zipage_jax.server.limits import FLAGS, RequestLimits
 from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES
 
-# What each RequestLimits flag bounds; all are unbounded unless given, as in vLLM.
+# What each RequestLimits flag bounds.
 _LIMITS_HELP = {
     "max_prompts": "prompts in one /v1/completions request (without a bound, any number are queued under "
                    "--max-num-seqs)",
@@ -33,7 +39,10 @@ _LIMITS_HELP = {
                         "it when clients are not trusted)",
     "max_stop_chars": "characters in one stop string",
     "max_chat_messages": "messages in one chat request (and in /tokenize's chat form)",
+    "max_chat_bytes": "bytes of text in one chat request's messages (and in /tokenize's chat form): every string "
+                      "field of every message, plus 32 per message, counted before the template renders them",
 }
+_LIMITS_DEFAULT = {f.name: f.default for f in dataclasses.fields(RequestLimits)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +59,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="larger request bodies are answered 413 unread "
                              f"(default: {DEFAULT_MAX_REQUEST_BYTES}, 4 MiB)")
     for field, flag in FLAGS.items():
-        parser.add_argument(flag, dest=field, type=int, default=None, metavar="N",
-                            help=f"the most {_LIMITS_HELP[field]}; more is answered 400 (default: unbounded)")
+        default = _LIMITS_DEFAULT[field]
+        parser.add_argument(flag, dest=field, type=int, default=default, metavar="N",
+                            help=f"the most {_LIMITS_HELP[field]}; more is answered 400 "
+                                 f"(default: {'unbounded' if default is None else default})")
+    parser.add_argument(QUEUE_FLAG, type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
+                        help="the most sequences (prompts x n) admitted and waiting for their first token; a "
+                             "generation request that would make more wait is answered 503 with Retry-After "
+                             f"(default: {DEFAULT_MAX_QUEUED_REQUESTS})")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="the key clients must send as `Authorization: Bearer KEY` to the /v1 and tokenizer "
+                             "routes (/health, /metrics, /version, /openapi.json and /docs stay open); default: "
+                             f"${KEY_VARIABLES[0]}, else ${KEY_VARIABLES[1]}, else none (no key needed)")
     add_engine_arguments(parser)
     add_distributed_arguments(parser)
     args = parser.parse_args(argv)
@@ -69,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         limits = RequestLimits(**{field: getattr(args, field) for field in FLAGS})
         app = create_app(lambda: LLMEngine(**options), args.served_model_name or [options["model"]],
                          stop, max_n=args.max_n, max_request_bytes=args.max_request_bytes, limits=limits,
-                         on_engine_error=stop)
+                         on_engine_error=stop, max_queued_requests=args.max_queued_requests,
+                         api_key=api_key_from(args.api_key, os.environ))
         start_distributed(args)
     except ValueError as exc:
         parser.error(str(exc))

@@ -93,7 +93,7 @@ class ServerThread:
 @contextlib.contextmanager
 def running_server(tiny_model_factory, model_cache_dir, engine_class=FaultyEngine, **app_options) -> Iterator:
     """A ServerThread over `engine_class` on the tiny qwen3 model, loaded, with .engine, .client
-    (openai) and .http (httpx)."""
+    (openai) and .http (httpx), both sending the app's api_key if it has one."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
         model_dir = str(tiny_model_factory("qwen3"))
@@ -102,8 +102,10 @@ def running_server(tiny_model_factory, model_cache_dir, engine_class=FaultyEngin
         try:
             wait_for(lambda: httpx.get(f"{srv.url}/health").status_code == 200, 120, "the model did not load")
             srv.engine = app.state.engine_loop.engine
-            srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", timeout=60, max_retries=0)
-            srv.http = httpx.Client(base_url=srv.url, timeout=60)
+            key = app_options.get("api_key")
+            srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key or "none", timeout=60, max_retries=0)
+            srv.http = httpx.Client(base_url=srv.url, timeout=60,
+                                    headers={} if key is None else {"Authorization": f"Bearer {key}"})
             yield srv
         finally:
             srv.close()

@@ -346,7 +346,12 @@ def test_script_rejects_bad_engine_flags(capsys):
 @pytest.mark.parametrize("flag, value, message", [("--max-n", "0", "max_n must be in [1, 128], got 0"),
                                                   ("--max-n", "129", "max_n must be in [1, 128], got 129"),
                                                   ("--max-request-bytes", "0", "max_request_bytes must be >= 1"),
-                                                  ("--max-stop-strings", "0", "--max-stop-strings must be >= 1")])
+                                                  ("--max-stop-strings", "0", "--max-stop-strings must be >= 1"),
+                                                  ("--max-chat-messages", "0", "--max-chat-messages must be >= 1"),
+                                                  ("--max-chat-bytes", "0", "--max-chat-bytes must be >= 1"),
+                                                  ("--max-queued-requests", "0", "max_queued_requests must be >= 1"),
+                                                  ("--api-key", "", "api_key must be a non-empty string"),
+                                                  ("--api-key", "a b", "api_key must be a non-empty string")])
 def test_script_rejects_bad_server_flags(capsys, flag, value, message):
     with pytest.raises(SystemExit) as exit_info:
         serve_script().main([flag, value])

@@ -20,6 +20,7 @@ from scripted_engine import ScriptedEngine
 from server_harness import MODEL, running_server
 
 FUZZ_EXAMPLES = 200
+GUARDED_FUZZ_EXAMPLES = 40
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance, negative_data_rejection]
 
@@ -38,7 +39,7 @@ def document(server) -> dict:
 def test_every_route_documents_what_it_answers(document):
     paths = document["paths"]
     statuses = {(path, method): sorted(op["responses"]) for path, item in paths.items() for method, op in item.items()}
-    with_body = ["200", "400", "404", "413", "500", "503"]
+    with_body = ["200", "400", "404", "413", "415", "500", "503"]
     assert statuses == {("/health", "get"): ["200", "500", "503"], ("/v1/models", "get"): ["200", "500"],
                         ("/v1/models/{model_id}", "get"): ["200", "404", "500"], ("/version", "get"): ["200", "500"],
                         ("/metrics", "get"): ["200", "500"], ("/v1/completions", "post"): with_body,
@@ -64,15 +65,28 @@ def test_every_route_documents_what_it_answers(document):
     assert set(schemas["ErrorDetail"]["required"]) == {"message", "type", "param", "code"}
 
 
-def test_fuzzed_requests_get_documented_answers(server):
-    """Schema-valid and schema-violating requests to every route (a fixed, bounded sample)."""
-    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+def fuzz(url: str, examples: int) -> list[int]:
+    """Schema-valid and schema-violating requests to every route (a fixed, bounded sample),
+    each answered as the document says; the statuses they got."""
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
+    statuses = []
 
     @given(case=cases)
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
-    def fuzz(case):
-        case.call_and_validate(checks=CHECKS, timeout=30)
+    def run(case):
+        statuses.append(case.call_and_validate(checks=CHECKS, timeout=30).status_code)
 
-    fuzz()
+    run()
+    return statuses
+
+
+def test_fuzzed_requests_get_documented_answers(server):
+    fuzz(server.url, FUZZ_EXAMPLES)
+
+
+def test_with_an_api_key_fuzzed_requests_without_it_get_documented_401s(tiny_model_factory, model_cache_dir):
+    with running_server(tiny_model_factory, model_cache_dir, engine_class=ScriptedEngine, api_key="sk-k") as srv:
+        statuses = fuzz(srv.url, GUARDED_FUZZ_EXAMPLES)
+    assert 401 in statuses and 200 in statuses  # the protected routes refuse, the open ones answer

@@ -232,7 +232,7 @@ OVER_THE_FLAGS = [  # (path, body, param, message)
      "stop holds 3 strings, more than this server's --max-stop-strings of 2"),
     (COMPLETIONS, {"prompt": "x", "stop": "abcd"}, "stop",
      "stop holds a string of 4 characters, more than this server's --max-stop-chars of 3"),
-    (CHAT, {"messages": USER * 2}, "messages", "messages holds 2 messages, more than this server's "
+    (CHAT, {"messages": USER * 2}, "messages", "messages: 2 messages, more than this server's "
                                                "--max-chat-messages of 1"),
     (CHAT, {"messages": USER, "stop": ["a", "b", "c"]}, "stop", "--max-stop-strings of 2"),
     ("/tokenize", {"messages": USER * 2}, "messages", "--max-chat-messages of 1"),
@@ -266,14 +266,16 @@ def _limit_nodes(schema) -> list[dict]:
 
 def test_the_openapi_document_states_the_flags_bounds(never_loading):
     bounded = _limit_nodes(httpx.get(f"{never_loading([MODEL], limits=LIMITS).url}/openapi.json").json())
-    unbounded = _limit_nodes(httpx.get(f"{never_loading([MODEL]).url}/openapi.json").json())
+    default = _limit_nodes(httpx.get(f"{never_loading([MODEL]).url}/openapi.json").json())
     expected = {"--max-prompts-per-request": ("maxItems", 2), "--max-stop-strings": ("maxItems", 2),
                 "--max-stop-chars": ("maxLength", 3), "--max-chat-messages": ("maxItems", 1)}
     assert {n["x-limit-flag"] for n in bounded} == set(expected)
     for node in bounded:
         key, bound = expected[node["x-limit-flag"]]
         assert node[key] == bound, node
-    assert unbounded and not any("maxItems" in n or "maxLength" in n for n in unbounded)
+    bounds = {n["x-limit-flag"]: (n.get("maxItems"), n.get("maxLength")) for n in default}
+    assert bounds == {"--max-prompts-per-request": (None, None), "--max-stop-strings": (None, None),
+                      "--max-stop-chars": (None, None), "--max-chat-messages": (10_000, None)}  # by default
 
 
 def test_a_bound_below_one_is_refused():

@@ -6,8 +6,10 @@
 The model loads in the engine thread once the app starts; until then /health answers 503, as it
 does while the engine rebuilds its device state after a failed step, and once it has failed.
 Request bodies are parsed, chat templates rendered and prompts tokenized in a Preprocessor
-thread, never on the event loop. Besides OpenAI's routes it serves vLLM's /tokenize,
-/detokenize and /version (docs/openai-compatibility.md lists what is supported).
+thread, and outputs with log-probabilities formatted in the FormatThread, never on the event
+loop. Generation requests are admitted while the queue has room (admission.py); with an API
+key, the /v1 and tokenizer routes need it (auth.py). Besides OpenAI's routes it serves vLLM's
+/tokenize, /detokenize and /version (docs/openai-compatibility.md lists what is supported).
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import MAX_N, SamplingParams
+from zipage_jax.server.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
+from zipage_jax.server.auth import ApiKey
 from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
 from zipage_jax.server.errors import OpenAIError, install_error_handlers
+from zipage_jax.server.format_thread import FormatThread
 from zipage_jax.server.formats import ChatFormat, CompletionFormat
 from zipage_jax.server.generation import Echo, EventStream, Generation, until_disconnected
-from zipage_jax.server.limits import RequestLimits
+from zipage_jax.server.limits import RequestLimits, num_prompts
 from zipage_jax.server.metrics import ServerMetrics
 from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from zipage_jax.server.openapi import (
@@ -43,24 +48,31 @@ from zipage_jax.server.tokenization import add_tokenization_routes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CLIENT_CLOSED = 499
-_GENERATION_ERRORS = (400, 404, 413, 500, 503)
+_GENERATION_ERRORS = (400, 404, 413, 415, 500, 503)
 
 
 def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list[str],
                on_load_error: Callable[[BaseException], None] | None = None, *, max_n: int = MAX_N,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: RequestLimits | None = None,
-               on_engine_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_engine_error: Callable[[BaseException], None] | None = None,
+               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, api_key: str | None = None) -> FastAPI:
     """`max_n` caps n (never above MAX_N, nor the engine's max_num_seqs); a body over
-    `max_request_bytes` is answered 413 unread; `limits` bounds other counts (default: none);
-    `on_engine_error(exc)` runs (in the engine thread) once the engine can no longer serve."""
+    `max_request_bytes` is answered 413 unread; `limits` bounds other counts (default:
+    RequestLimits()); a generation request that would make more than `max_queued_requests`
+    sequences wait is answered 503; with `api_key`, the /v1 and tokenizer routes need it;
+    `on_engine_error(exc)` runs (in the engine thread) once the engine can no longer serve.
+    Raises ValueError for a bad value."""
     served = ServedModels(served_model_names)
     limits = limits or RequestLimits()
     if not 1 <= max_n <= MAX_N:
         raise ValueError(f"max_n must be in [1, {MAX_N}], got {max_n}")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    key = None if api_key is None else ApiKey(api_key)
     metrics = ServerMetrics(served.names[0], lambda: engine_loop.stats)
-    preprocessor = Preprocessor()
+    admission = Admission(max_queued_requests, on_refused=lambda: metrics.refused("queue_full"))
+    preprocessor = Preprocessor(limits)
+    format_thread = FormatThread()
     engine_loop = EngineLoop(engine_factory, observer=metrics, on_load_error=on_load_error,
                              on_loaded=preprocessor.prepare, on_engine_error=on_engine_error)
     version = _package_version()
@@ -71,15 +83,17 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
         yield
         engine_loop.stop()
         preprocessor.shutdown()
+        format_thread.shutdown()
 
     app = FastAPI(title="zipage-jax", lifespan=lifespan)
-    app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes)
+    app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes, api_key=key)
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
     app.state.preprocessor = preprocessor
+    app.state.admission = admission
     install_error_handlers(app)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, TokenizeCompletionRequest,
-                          TokenizeChatRequest, DetokenizeRequest], served.names, limits)
+                          TokenizeChatRequest, DetokenizeRequest], served.names, limits, key is not None)
 
     def ready_engine() -> LLMEngine:
         if not engine_loop.ready.is_set():
@@ -137,22 +151,23 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
         if body.max_tokens == 0 and not body.echo:
             raise OpenAIError(400, "max_tokens may be 0 only with echo (the output is then the prompt alone)",
                               param="max_tokens")
-        prompts = await preprocessor.run(preprocessor.completion_prompts, body.prompt, limit)
-        requested = None if body.max_tokens is None else max(body.max_tokens, 1)  # 0: one token, dropped
-        max_tokens = min(_max_tokens(len(p), requested, limit, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
-                         for p in prompts)
-        echoed = body.echo and body.logprobs is not None and body.prompt_logprobs is None
-        structured = grammar(body.response_format, body.structured_outputs)
-        params = _sampling_params(body, max_tokens, body.logprobs, _renames(structured), structured,
-                                  prompt_logprobs=body.logprobs if echoed else body.prompt_logprobs)
-        echo = None
-        if body.echo:
-            texts = await preprocessor.run(preprocessor.prompt_texts, body.prompt, prompts)
-            echo = Echo(texts, prompt_only=body.max_tokens == 0)
-        request_id = request.state.request_id
-        fmt = CompletionFormat(body.model, engine_loop.tokenizer, request_id)
-        return await _generate(request, body, Generation(engine_loop, prompts, params, fmt, request_id, echo),
-                               _renames(structured))
+        with admission.reserve(num_prompts(body.prompt) * (body.n or 1)) as reservation:
+            prompts = await preprocessor.run(preprocessor.completion_prompts, body.prompt, limit)
+            requested = None if body.max_tokens is None else max(body.max_tokens, 1)  # 0: one token, dropped
+            max_tokens = min(_max_tokens(len(p), requested, limit, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+                             for p in prompts)
+            echoed = body.echo and body.logprobs is not None and body.prompt_logprobs is None
+            structured = grammar(body.response_format, body.structured_outputs)
+            params = _sampling_params(body, max_tokens, body.logprobs, _renames(structured), structured,
+                                      prompt_logprobs=body.logprobs if echoed else body.prompt_logprobs)
+            echo = None
+            if body.echo:
+                texts = await preprocessor.run(preprocessor.prompt_texts, body.prompt, prompts)
+                echo = Echo(texts, prompt_only=body.max_tokens == 0)
+            request_id = request.state.request_id
+            fmt = CompletionFormat(body.model, engine_loop.tokenizer, request_id)
+            generation = Generation(engine_loop, prompts, params, fmt, request_id, reservation, format_thread, echo)
+            return await _generate(request, body, generation, _renames(structured))
 
     @app.post("/v1/chat/completions", response_model=None, openapi_extra=request_body(ChatCompletionRequest),
               responses=responses(ChatCompletion, *_GENERATION_ERRORS, stream=ChatCompletionChunk))
@@ -161,19 +176,21 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
         limit = admit(body).max_model_len
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        prompt = await preprocessor.run(preprocessor.chat_prompt, body, limit)
-        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = _max_tokens(len(prompt), requested, limit, limit - len(prompt), "messages")
-        structured = grammar(body.response_format, body.structured_outputs, body.tools, body.tool_choice,
-                             body.parallel_tool_calls)
-        renames = _renames(structured, {"logprobs": "top_logprobs"})
-        params = _sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None, renames,
-                                  structured)
-        request_id = request.state.request_id
-        fmt = ChatFormat(body.model, engine_loop.tokenizer, request_id, tool_mode(body.tools, body.tool_choice))
-        return await _generate(request, body, Generation(engine_loop, [prompt], params, fmt, request_id), renames)
+        with admission.reserve(body.n or 1) as reservation:
+            prompt = await preprocessor.run(preprocessor.chat_prompt, body, limit)
+            requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            max_tokens = _max_tokens(len(prompt), requested, limit, limit - len(prompt), "messages")
+            structured = grammar(body.response_format, body.structured_outputs, body.tools, body.tool_choice,
+                                 body.parallel_tool_calls)
+            renames = _renames(structured, {"logprobs": "top_logprobs"})
+            params = _sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                                      renames, structured)
+            request_id = request.state.request_id
+            fmt = ChatFormat(body.model, engine_loop.tokenizer, request_id, tool_mode(body.tools, body.tool_choice))
+            generation = Generation(engine_loop, [prompt], params, fmt, request_id, reservation, format_thread)
+            return await _generate(request, body, generation, renames)
 
-    add_tokenization_routes(app, served, limits, preprocessor, ready_engine)
+    add_tokenization_routes(app, served, preprocessor, ready_engine)
     return app
 
 
@@ -193,9 +210,7 @@ async def _generate(request: Request, body: SamplingFields, generation: Generati
         raise OpenAIError.internal(generation.request_id) from None
     finally:
         generation.abort()
-    if result is None:
-        return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(result)
+    return Response(status_code=CLIENT_CLOSED) if result is None else result
 
 
 def _package_version() -> str:

@@ -78,7 +78,7 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.engine: LLMEngine | None = None
-        self.tokenizer: Any = None  # a copy of the engine's, for the event loop's exclusive use
+        self.tokenizer: Any = None  # a copy of the engine's, for the server's FormatThread alone
         self.load_error: BaseException | None = None
         self.engine_error: BaseException | None = None  # the engine became unusable
         self.ready = threading.Event()

@@ -28,9 +28,11 @@ _MAX_FIELD_CHARS = 100  # of a client's field name quoted in an error
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
 
     @classmethod
     def bad_request(cls, exc: ValueError, param_names: dict[str, str] | None = None) -> "OpenAIError":
@@ -49,8 +51,8 @@ class OpenAIError(Exception):
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def internal_message(request_id: str) -> str:

@@ -6,16 +6,19 @@ import asyncio
 import json
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from zipage_jax.engine.outputs import RequestOutput, TokenLogprob
 from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.server.admission import Reservation
 from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
 from zipage_jax.server.errors import error_body, internal_message
+from zipage_jax.server.format_thread import FormatThread
 from zipage_jax.server.formats import ResponseFormat, usage
 
 
@@ -28,14 +31,33 @@ class Echo:
     prompt_only: bool = False
 
 
+@dataclass
+class _Stream:
+    """What a stream has sent so far, per choice."""
+
+    started: set[int] = field(default_factory=set)
+    sent_text: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    generated: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # tokens
+    finished: set[int] = field(default_factory=set)
+
+
 class Generation:
     """Choice p * n + i is completion i of prompt p (OpenAI's order). Engine request ids are the
-    response id followed by the prompt's index."""
+    response id followed by the prompt's index. The request's place in the admission queue is
+    released prompt by prompt as each starts, and wholly once the generation ends.
+
+    A request with log-probabilities is formatted on the FormatThread (each token's text and its
+    alternatives' are decoded); any other output is a small dict, made on the event loop, where
+    handing it to a thread would cost more."""
 
     def __init__(self, engine_loop: EngineLoop, prompts: list[list[int]], params: SamplingParams,
-                 fmt: ResponseFormat, request_id: str, echo: Echo | None = None):
+                 fmt: ResponseFormat, request_id: str, reservation: Reservation, format_thread: FormatThread,
+                 echo: Echo | None = None):
         self.prompts, self.params, self.fmt, self.request_id, self.echo = prompts, params, fmt, request_id, echo
         self._engine_loop = engine_loop
+        self._reservation = reservation
+        decodes = params.logprobs is not None or params.prompt_logprobs is not None
+        self._format_thread = format_thread if decodes else None
         self._prompt_index = {f"{fmt.id}-{p}": p for p in range(len(prompts))}
         self._unfinished: set[str] = set()
         self._outputs: asyncio.Queue = asyncio.Queue()
@@ -62,6 +84,7 @@ class Generation:
         for request_id in self._unfinished:
             self._engine_loop.abort(request_id)
         self._unfinished.clear()
+        self._reservation.release_all()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as the engine advances; raises RequestFailed if the engine
@@ -77,6 +100,8 @@ class Generation:
             if item.finished:
                 self._unfinished.discard(item.request_id)
             prompt = self._prompt_index[item.request_id]
+            if prompt not in self._latest:  # it has started: its sequences no longer wait
+                self._reservation.release(self.params.n)
             self._latest[prompt] = item
             if item.prompt_logprobs is not None:
                 self._prompt_logprobs[prompt] = item.prompt_logprobs
@@ -89,9 +114,15 @@ class Generation:
         cached = sum(out.outputs[0].metrics.get("cached_prompt_tokens", 0) for out in self._latest.values())
         return usage(sum(map(len, self.prompts)), generated, cached)
 
-    async def response(self) -> dict:
+    async def response(self) -> JSONResponse:
         async for _ in self.outputs():
             pass
+        return await self._formatted(self._response)
+
+    async def _formatted(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args) if self._format_thread is None else await self._format_thread.run(fn, *args)
+
+    def _response(self) -> JSONResponse:
         n = self.params.n
         choices = []
         for p, out in sorted(self._latest.items()):
@@ -105,7 +136,7 @@ class Generation:
         response = self.fmt.response(choices, self.usage())
         if self.fmt.object != "text_completion":  # chat: vLLM's is the response's (one prompt)
             self._with_prompt_logprobs(0, response)
-        return response
+        return JSONResponse(response)  # rendered here, off the event loop when formatted off it
 
     @property
     def _prompt_only(self) -> bool:
@@ -135,39 +166,45 @@ class Generation:
         """SSE lines: a chunk per choice that advanced, [usage chunk], data: [DONE]. With
         `continuous_usage` (and include_usage) each chunk carries its choice's usage so far,
         as vLLM's continuous_usage_stats."""
-        fmt, n = self.fmt, self.params.n
-        started: set[int] = set()
-        sent_text: dict[int, int] = defaultdict(int)
-        generated: dict[int, int] = defaultdict(int)  # tokens per choice so far
-        finished: set[int] = set()
+        stream = _Stream()
         try:
-            opening = fmt.opening_choices(len(self.prompts) * n)
+            opening = self.fmt.opening_choices(len(self.prompts) * self.params.n)
             if opening:
                 so_far = usage(sum(map(len, self.prompts)), 0) if continuous_usage else None
-                yield _sse(fmt.chunk(opening, so_far, include_usage=include_usage))
+                yield _sse(self.fmt.chunk(opening, so_far, include_usage=include_usage))
             async for p, out in self.outputs():
-                for o in out.outputs:
-                    index = p * n + o.index
-                    if index in finished or not (o.delta_token_ids or o.delta_text or o.finish_reason):
-                        continue
-                    first = index not in started
-                    started.add(index)
-                    text, logprobs = self._shown(p, o.delta_text, o.delta_logprobs, first)
-                    choice = fmt.choice(index, text, logprobs, o.finish_reason, o.stop_reason,
-                                        text_offset=sent_text[index], streaming=True)
-                    if first:
-                        self._with_prompt_logprobs(p, choice)
-                    sent_text[index] += len(text)
-                    generated[index] += 0 if self._prompt_only else len(o.delta_token_ids)
-                    if o.finish_reason is not None:
-                        finished.add(index)
-                    so_far = usage(len(self.prompts[p]), generated[index]) if continuous_usage else None
-                    yield _sse(fmt.chunk([choice], so_far, include_usage=include_usage))
+                events = await self._formatted(self._stream_events, stream, p, out, include_usage, continuous_usage)
+                if events:
+                    yield events
             if include_usage:
-                yield _sse(fmt.chunk([], self.usage(), include_usage=True))
+                yield _sse(self.fmt.chunk([], self.usage(), include_usage=True))
         except RequestFailed:
             yield _sse(error_body(500, internal_message(self.request_id)))
         yield "data: [DONE]\n\n"
+
+    def _stream_events(self, stream: _Stream, p: int, out: RequestOutput, include_usage: bool,
+                       continuous_usage: bool) -> str:
+        """The SSE events of prompt p's latest output: a chunk per choice that advanced."""
+        fmt, n = self.fmt, self.params.n
+        events = []
+        for o in out.outputs:
+            index = p * n + o.index
+            if index in stream.finished or not (o.delta_token_ids or o.delta_text or o.finish_reason):
+                continue
+            first = index not in stream.started
+            stream.started.add(index)
+            text, logprobs = self._shown(p, o.delta_text, o.delta_logprobs, first)
+            choice = fmt.choice(index, text, logprobs, o.finish_reason, o.stop_reason,
+                                text_offset=stream.sent_text[index], streaming=True)
+            if first:
+                self._with_prompt_logprobs(p, choice)
+            stream.sent_text[index] += len(text)
+            stream.generated[index] += 0 if self._prompt_only else len(o.delta_token_ids)
+            if o.finish_reason is not None:
+                stream.finished.add(index)
+            so_far = usage(len(self.prompts[p]), stream.generated[index]) if continuous_usage else None
+            events.append(_sse(fmt.chunk([choice], so_far, include_usage=include_usage)))
+        return "".join(events)
 
 
 class EventStream(StreamingResponse):

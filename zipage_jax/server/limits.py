@@ -1,6 +1,9 @@
-"""RequestLimits: the per-request counts a server operator may bound (unbounded by default, as
-in vLLM), enforced by the handlers with a 400 that names the field and the flag, and written
-into the OpenAPI document wherever protocol.py marks a field with that flag.
+"""RequestLimits: the per-request counts a server operator may bound, enforced with a 400 that
+names the field and the flag, and written into the OpenAPI document wherever protocol.py marks
+a field with that flag. Prompts and stop strings are unbounded by default, as in vLLM, and
+checked by the handlers. Chat messages have generous bounds, checked before the template
+renders them (its cost grows with their number and their text): their number while the body
+is parsed, their text in the Preprocessor.
 
 The engine's own limits (max_model_len, the sampler's widths) are not here: SamplingParams and
 the engine refuse those whatever the server allows.
@@ -13,8 +16,14 @@ from typing import Any
 
 from zipage_jax.server.errors import OpenAIError
 from zipage_jax.server.protocol import (
-    LIMIT_FLAG, MESSAGES_FLAG, PROMPTS_FLAG, STOP_CHARS_FLAG, STOP_STRINGS_FLAG, ChatCompletionRequest, CompletionRequest,
-    SamplingFields)
+    LIMIT_FLAG, MESSAGES_BOUND, MESSAGES_FLAG, PROMPTS_FLAG, STOP_CHARS_FLAG, STOP_STRINGS_FLAG, ChatMessage,
+    CompletionRequest, SamplingFields)
+
+
+CHAT_BYTES_FLAG = "--max-chat-bytes"
+MESSAGE_OVERHEAD_BYTES = 32  # what a template adds around each message (role, delimiters), roughly
+DEFAULT_MAX_CHAT_MESSAGES = 10_000
+DEFAULT_MAX_CHAT_BYTES = 2 * 2**20
 
 
 @dataclass(frozen=True)
@@ -24,27 +33,34 @@ class RequestLimits:
     max_prompts: int | None = None  # prompts in one /v1/completions request
     max_stop_strings: int | None = None
     max_stop_chars: int | None = None  # characters of one stop string
-    max_chat_messages: int | None = None
+    max_chat_messages: int | None = DEFAULT_MAX_CHAT_MESSAGES
+    max_chat_bytes: int | None = DEFAULT_MAX_CHAT_BYTES  # text of a chat's messages, see chat_bytes
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None and value < 1:
-                raise ValueError(f"{FLAGS[f.name]} must be >= 1 (or not given: unbounded), got {value}")
+                raise ValueError(f"{FLAGS[f.name]} must be >= 1, got {value}")
 
     def check(self, body: SamplingFields) -> None:
         """OpenAIError 400 for a count of `body` over its bound."""
         if isinstance(body, CompletionRequest):
-            _refuse_over("prompt", _num_prompts(body.prompt), self.max_prompts, PROMPTS_FLAG, "{} prompts")
+            _refuse_over("prompt", num_prompts(body.prompt), self.max_prompts, PROMPTS_FLAG, "{} prompts")
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         _refuse_over("stop", len(stop), self.max_stop_strings, STOP_STRINGS_FLAG, "{} strings")
         _refuse_over("stop", max(map(len, stop), default=0), self.max_stop_chars, STOP_CHARS_FLAG,
                      "a string of {} characters")
-        if isinstance(body, ChatCompletionRequest):
-            self.check_messages(body.messages)
 
-    def check_messages(self, messages: list) -> None:
-        _refuse_over("messages", len(messages), self.max_chat_messages, MESSAGES_FLAG, "{} messages")
+    def validation_context(self) -> dict[str, Any]:
+        """What request bodies are validated with: max_chat_messages is checked while parsing,
+        before each message is validated."""
+        return {MESSAGES_BOUND: self.max_chat_messages}
+
+    def check_chat_bytes(self, messages: list[ChatMessage]) -> None:
+        """OpenAIError 400 if the messages' text is over max_chat_bytes; O(their text), so it runs
+        off the event loop, before the template."""
+        _refuse_over("messages", chat_bytes(messages), self.max_chat_bytes, CHAT_BYTES_FLAG,
+                     f"{{}} bytes of text (with {MESSAGE_OVERHEAD_BYTES} per message)")
 
     def document(self, schemas: dict[str, Any]) -> None:
         """Adds maxItems / maxLength to every schema marked with a flag that has a bound."""
@@ -56,7 +72,13 @@ class RequestLimits:
 
 
 FLAGS = {"max_prompts": PROMPTS_FLAG, "max_stop_strings": STOP_STRINGS_FLAG, "max_stop_chars": STOP_CHARS_FLAG,
-         "max_chat_messages": MESSAGES_FLAG}  # RequestLimits field -> the server flag that sets it
+         "max_chat_messages": MESSAGES_FLAG,
+         "max_chat_bytes": CHAT_BYTES_FLAG}  # RequestLimits field -> the server flag that sets it
+
+
+def chat_bytes(messages: list[ChatMessage]) -> int:
+    """The UTF-8 bytes a chat template renders the messages from, estimated before rendering."""
+    return sum(m.text_bytes() + MESSAGE_OVERHEAD_BYTES for m in messages)
 
 
 def _refuse_over(param: str, count: int, bound: int | None, flag: str, holds: str) -> None:
@@ -65,7 +87,8 @@ def _refuse_over(param: str, count: int, bound: int | None, flag: str, holds: st
                           param=param)
 
 
-def _num_prompts(prompt: str | list) -> int:
+def num_prompts(prompt: str | list) -> int:
+    """The prompts of a /v1/completions request (one string or token-id list, or a list of them)."""
     return 1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt)
 
 

@@ -77,6 +77,9 @@ class ServerMetrics:
                               buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
         self._success = Counter("vllm:request_success", "Finished requests (per completion), by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)
+        self._refused = Counter("zipage:requests_refused", "Requests refused before they were queued, by reason.",
+                                labels + ["reason"], registry=self.registry)
+        self._refused.labels(model_name, "queue_full")  # exposed (at 0) from the start
         self._model_name = model_name
         self._last_token: dict[str, dict[int, float]] = {}  # request id -> completion index -> time
 
@@ -99,6 +102,9 @@ class ServerMetrics:
             for o in output.outputs:
                 self._e2e.observe(o.metrics.get("latency_s", 0.0))
                 self._success.labels(self._model_name, o.finish_reason).inc()
+
+    def refused(self, reason: str) -> None:
+        self._refused.labels(self._model_name, reason).inc()
 
     def discard(self, request_id: str) -> None:
         self._last_token.pop(request_id, None)

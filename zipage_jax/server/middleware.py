@@ -1,7 +1,8 @@
 """RequestGuard: the app's outermost layer, in plain ASGI.
 
 Each HTTP request gets an id (`request.state.request_id`, the X-Request-Id response header);
-a body over the size limit is answered 413 before anything parses it (by its Content-Length,
+with an ApiKey, a request to a route that needs the key and does not carry it is answered 401
+unread; a body over the size limit is answered 413 before anything parses it (by its Content-Length,
 or, chunked, once the limit is passed); an exception that escapes the app becomes a 500 that
 says only that the server failed, while the log line carries the traceback and the request id.
 The connection stays open for the client's next request.
@@ -15,6 +16,7 @@ import uuid
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from zipage_jax.server.auth import ApiKey
 from zipage_jax.server.errors import REQUEST_ID_HEADER, OpenAIError, error_body
 
 logger = logging.getLogger("zipage_jax.server")
@@ -23,9 +25,11 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+    def __init__(self, app: ASGIApp, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 api_key: ApiKey | None = None):
         self.app = app
         self.max_request_bytes = max_request_bytes
+        self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -43,6 +47,12 @@ class RequestGuard:
                 message = {**message, "headers": headers}
             await send(message)
 
+        if self.api_key is not None:
+            try:
+                self.api_key.check(scope["path"], dict(scope["headers"]).get(b"authorization"))
+            except OpenAIError as exc:
+                await exc.response()(scope, receive, send_with_id)
+                return
         try:
             body = await self._read_body(scope, receive)
         except _TooLarge:

@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
+from zipage_jax.server.auth import requires_key
 from zipage_jax.server.errors import REQUEST_ID_HEADER
 from zipage_jax.server.limits import RequestLimits
 
@@ -188,13 +189,23 @@ class Version(_Closed):
 _ERRORS = {
     400: "Malformed JSON, a missing, mistyped, unknown or out-of-range field, text that is not valid Unicode, "
          "or a prompt too long for the context.",
+    401: "The server has an API key (--api-key) and the request does not carry it as `Authorization: Bearer KEY` "
+         "(code invalid_api_key).",
     404: "No model of that name is served (code model_not_found).",
     413: "The request body is over the server's --max-request-bytes.",
+    415: "The request body is not declared JSON (Content-Type: application/json or a +json type).",
     500: "The server failed; the message gives the request id, which the server's log line carries.",
-    503: "The model is still loading, or failed to load.",
+    503: "The model is still loading, or failed to load; or (generation, with Retry-After) the server's queue is "
+         "full (--max-queued-requests).",
 }
 _REQUEST_ID = {REQUEST_ID_HEADER: {"description": "This request's id, as the server logs it.", "required": True,
                                    "schema": {"type": "string"}}}
+_ERROR_HEADERS = {
+    401: {"WWW-Authenticate": {"description": "Bearer", "required": True, "schema": {"type": "string"}}},
+    503: {"Retry-After": {"description": "Seconds to wait before retrying, when the queue is full.",
+                          "schema": {"type": "string"}}},
+}
+_BEARER = "bearer"
 _EVENT_STREAM = ("With \"stream\": true, server-sent events whose data are {chunk} objects, an "
                  "ErrorResponse if the request fails, and last `[DONE]`.")
 
@@ -222,7 +233,8 @@ def responses(ok: type[BaseModel] | None, *errors: int, stream: type[BaseModel] 
     documented = {200: success}
     error = {"application/json": {"schema": {"$ref": _REF.format(model=ErrorResponse.__name__)}}}
     for status in errors:
-        documented[status] = {"content": error, "description": _ERRORS[status], "headers": _REQUEST_ID}
+        documented[status] = {"content": error, "description": _ERRORS[status],
+                              "headers": {**_REQUEST_ID, **_ERROR_HEADERS.get(status, {})}}
     return documented
 
 
@@ -239,10 +251,10 @@ def path_parameter(name: str) -> dict[str, Any]:
 
 
 def install_openapi(app: FastAPI, request_models: list[type[BaseModel]], model_names: list[str],
-                    limits: RequestLimits) -> None:
+                    limits: RequestLimits, api_key: bool = False) -> None:
     """app.openapi() with the error, stream chunk and `request_models` schemas among the
-    components, the latter's `model` field one of `model_names` (any other is a 404), and the
-    bounds of `limits`."""
+    components, the latter's `model` field one of `model_names` (any other is a 404), the
+    bounds of `limits`, and with `api_key` the bearer key (and its 401) on the routes that need it."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -255,10 +267,23 @@ def install_openapi(app: FastAPI, request_models: list[type[BaseModel]], model_n
                     _served_names(field, model_names)
             limits.document(defs["$defs"])
             document.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+            if api_key:
+                _require_key(document)
             app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _require_key(document: dict[str, Any]) -> None:
+    """The bearer scheme, and on each operation that needs the key, it and its 401."""
+    document["components"]["securitySchemes"] = {_BEARER: {"type": "http", "scheme": "bearer"}}
+    unauthorized = responses(None, 401)[401]
+    for path, item in document["paths"].items():
+        if requires_key(path):
+            for operation in item.values():
+                operation["security"] = [{_BEARER: []}]
+                operation["responses"]["401"] = unauthorized
 
 
 def _served_names(field: dict[str, Any], model_names: list[str]) -> None:

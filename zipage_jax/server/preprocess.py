@@ -24,6 +24,7 @@ from pydantic import BaseModel, RootModel, ValidationError
 from zipage_jax.chat import chat_prompt_ids, chat_prompt_text
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.server.errors import OpenAIError, validation_error
+from zipage_jax.server.limits import RequestLimits
 from zipage_jax.server.protocol import ChatCompletionRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from zipage_jax.server.structured import template_tools
 
@@ -37,7 +38,9 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 class Preprocessor:
-    def __init__(self, num_threads: int = NUM_THREADS):
+    def __init__(self, limits: RequestLimits, num_threads: int = NUM_THREADS):
+        """`limits`: the chat text bound, checked here before a template renders the messages."""
+        self._limits = limits
         self._num_threads = num_threads
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="zipage-preprocess")
         self._local = threading.local()
@@ -55,25 +58,28 @@ class Preprocessor:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def body(self, request: Request, model: type[Body]) -> Body:
-        """The request's body validated as `model` (in a pool thread; see parse)."""
-        return await self.run(self.parse, model, await request.body(), request.headers.get("content-type"))
+        """The request's body validated as `model` (in a pool thread; see parse); OpenAIError 415
+        unless its Content-Type is JSON."""
+        content_type = request.headers.get("content-type")
+        if content_type is None or not _is_json(content_type):
+            got = "no Content-Type" if content_type is None else f"Content-Type {content_type[:100]!r}"
+            raise OpenAIError(415, f"the request body must be JSON (Content-Type: application/json), got {got}")
+        return await self.run(self.parse, model, await request.body())
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- in a pool thread ----------------------------------------------------------------------
 
-    def parse(self, model: type[Body], raw: bytes, content_type: str | None) -> Body:
+    def parse(self, model: type[Body], raw: bytes) -> Body:
         """The validated body, or OpenAIError 400 naming the first bad field."""
-        if content_type is not None and not _is_json(content_type):
-            raise OpenAIError(400, f"the request body must be JSON (Content-Type: application/json), "
-                              f"got Content-Type {content_type[:100]!r}")
+        context = self._limits.validation_context()
         try:
-            return model.model_validate_json(raw)
+            return model.model_validate_json(raw, context=context)
         except ValidationError as exc:
             errors = exc.errors(include_url=False)
         if errors[0]["type"] == "json_invalid":
-            errors = _python_json_errors(model, raw) or errors
+            errors = _python_json_errors(model, raw, context) or errors
         if issubclass(model, RootModel):  # a union of forms: the location starts with the form's tag
             errors = [{**e, "loc": e["loc"][1:]} for e in errors]
         raise validation_error(RequestValidationError(errors))
@@ -91,6 +97,7 @@ class Preprocessor:
         return [text if text is not None else tokenizer.decode(p) for text, p in zip(texts, ids)]
 
     def chat_prompt(self, body: ChatCompletionRequest, max_model_len: int) -> list[int]:
+        self._limits.check_chat_bytes(body.messages)
         messages = [m.as_template_input() for m in body.messages]
         tokenizer = self._refuse_if_too_long(sum(len(m["content"].encode()) for m in messages), max_model_len,
                                              "the messages have", "messages")
@@ -106,6 +113,7 @@ class Preprocessor:
         and their token strings if asked for."""
         tokenizer, _ = self._tokenizer()
         if isinstance(request, TokenizeChatRequest):
+            self._limits.check_chat_bytes(request.messages)
             try:
                 text = chat_prompt_text(tokenizer, [m.as_template_input() for m in request.messages],
                                         add_generation_prompt=request.add_generation_prompt)
@@ -189,12 +197,12 @@ def _normalizer_shrink(normalizer: dict | None) -> int | None:
     return _NORMALIZER_SHRINK if any(p["type"].startswith("NF") for p in parts) else 1
 
 
-def _python_json_errors(model: type[BaseModel], raw: bytes) -> list[dict] | None:
+def _python_json_errors(model: type[BaseModel], raw: bytes, context: dict[str, Any]) -> list[dict] | None:
     """The errors for a body that Python's json reads but pydantic's does not (a lone surrogate
     escape such as "\\ud800"): those of the parsed value, which name the field."""
     try:
         value = json.loads(raw)
-        model.model_validate(value)
+        model.model_validate(value, context=context)
     except ValidationError as exc:
         return exc.errors(include_url=False)
     except ValueError:

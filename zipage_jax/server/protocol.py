@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, RootModel, Tag, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, RootModel, Tag, ValidationInfo,
+    model_validator)
 
 from zipage_jax.sampling_params import (
     EVICTION_POLICIES, FLOAT32_MAX, INT32_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN,
@@ -23,6 +25,7 @@ PROMPTS_FLAG = "--max-prompts-per-request"
 STOP_STRINGS_FLAG = "--max-stop-strings"
 STOP_CHARS_FLAG = "--max-stop-chars"
 MESSAGES_FLAG = "--max-chat-messages"
+MESSAGES_BOUND = "max_chat_messages"  # the validation context's key for the server's bound on messages
 
 
 def _valid_text(text: str) -> str:
@@ -232,6 +235,14 @@ class ChatMessage(_Strict):
             raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
         return self
 
+    def text_bytes(self) -> int:
+        """UTF-8 bytes of every string the chat template renders from this message, but the role."""
+        parts = [self.content] if isinstance(self.content, str) else [p.text for p in self.content or ()]
+        parts += [self.name or "", self.tool_call_id or ""]
+        for call in self.tool_calls or ():
+            parts += [call.id, call.function.name, call.function.arguments]
+        return sum(len(part.encode("utf-8")) for part in parts)
+
     def as_template_input(self) -> dict:
         content = self.content if isinstance(self.content, str) or self.content is None else "".join(
             p.text for p in self.content)
@@ -244,7 +255,17 @@ class ChatMessage(_Strict):
         return message
 
 
-Messages = Annotated[list[ChatMessage], Field(min_length=1, json_schema_extra=_bounded_by(MESSAGES_FLAG))]
+def _within_server_bound(messages: Any, info: ValidationInfo) -> Any:
+    """The server's bound on messages (the validation context's MESSAGES_BOUND), checked before
+    the messages are validated one by one, which for many thousands takes long."""
+    bound = (info.context or {}).get(MESSAGES_BOUND)
+    if bound is not None and isinstance(messages, list) and len(messages) > bound:
+        raise ValueError(f"{len(messages)} messages, more than this server's {MESSAGES_FLAG} of {bound}")
+    return messages
+
+
+Messages = Annotated[list[ChatMessage], BeforeValidator(_within_server_bound),
+                     Field(min_length=1, json_schema_extra=_bounded_by(MESSAGES_FLAG))]
 
 
 class ChatCompletionRequest(SamplingFields):
