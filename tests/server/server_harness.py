@@ -129,8 +129,12 @@ def wait_for(condition, timeout: float, message: str) -> None:
 
 def metrics(srv) -> dict[str, float]:
     """The /metrics samples, by name with labels stripped (each is unique here)."""
+    return parse_metrics(srv.http.get("/metrics").text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
     samples = {}
-    for line in srv.http.get("/metrics").text.splitlines():
+    for line in text.splitlines():
         if not line.startswith("#") and "le=" not in line and "finished_reason" not in line:
             name, value = re.fullmatch(r"([a-z0-9_:]+)(?:\{.*\})? (\S+)", line).groups()
             samples[name] = float(value)

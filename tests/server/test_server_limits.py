@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from server_harness import CHAT, COMPLETIONS, MODEL, USER, bystander
 from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES
@@ -205,3 +206,15 @@ def test_a_maximal_prompt_is_refused_unread_by_the_tokenizer_while_health_answer
     assert results["response"].status_code == 400 and error["param"] == "prompt"
     assert "the prompt has at least" in error["message"] and "maximum context length is 256" in error["message"]
     assert results["seconds"] < 2 and max(latencies, default=0) < 0.1, (results["seconds"], latencies)
+
+
+@pytest.mark.parametrize("field, items", [("prompt", [-1] * 700_000), ("messages", [1] * 900_000)])
+def test_a_body_of_many_bad_items_is_refused_at_the_first(server, field, items):
+    body = {"model": MODEL, field: items}
+    path = COMPLETIONS if field == "prompt" else CHAT
+    start = time.monotonic()
+    r = httpx.post(f"{server.url}{path}", content=json.dumps(body), headers={"content-type": "application/json"},
+                   timeout=60)
+    elapsed = time.monotonic() - start
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith(field)
+    assert elapsed < 2.0  # one error, not one per item (seconds of a preprocessing thread)

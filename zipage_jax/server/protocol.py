@@ -192,10 +192,11 @@ class SamplingFields(_Strict):
 
 Prompt = _one_of("a string, a list of strings, a list of token ids or a list of token-id lists", _prompt_shape,
                 string=NonEmptyText,
-                strings=Annotated[list[NonEmptyText], Field(min_length=1, json_schema_extra=_bounded_by(PROMPTS_FLAG))],
-                token_ids=Annotated[list[TokenId], Field(min_length=1)],
-                token_id_lists=Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
-                                         Field(min_length=1, json_schema_extra=_bounded_by(PROMPTS_FLAG))])
+                strings=Annotated[list[NonEmptyText], Field(min_length=1, fail_fast=True,
+                                                            json_schema_extra=_bounded_by(PROMPTS_FLAG))],
+                token_ids=Annotated[list[TokenId], Field(min_length=1, fail_fast=True)],
+                token_id_lists=Annotated[list[Annotated[list[TokenId], Field(min_length=1, fail_fast=True)]],
+                                         Field(min_length=1, fail_fast=True, json_schema_extra=_bounded_by(PROMPTS_FLAG))])
 
 
 class CompletionRequest(SamplingFields):
@@ -264,8 +265,8 @@ def _within_server_bound(messages: Any, info: ValidationInfo) -> Any:
     return messages
 
 
-Messages = Annotated[list[ChatMessage], BeforeValidator(_within_server_bound),
-                     Field(min_length=1, json_schema_extra=_bounded_by(MESSAGES_FLAG))]
+Messages = Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True, json_schema_extra=_bounded_by(MESSAGES_FLAG)),
+                     BeforeValidator(_within_server_bound)]
 
 
 class ChatCompletionRequest(SamplingFields):
