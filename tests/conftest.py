@@ -1,8 +1,9 @@
-"""Session-wide fixtures: tiny saved models (built once per session), a private param cache, and
-no persistent compilation cache."""
+"""Session-wide fixtures: tiny saved models (built once per session), private param and
+compilation caches; and after each module, its compiled programs released."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import jax
@@ -39,9 +40,21 @@ def model_cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_persistent_compilation_cache() -> None:
-    """The suite never writes or reads JAX's persistent compilation cache: jaxlib 0.11.2's CPU
-    executable serialization has aborted the test process in (de)serializing some entries, so
-    every engine here compiles in memory (subprocesses, such as README command (1)'s CLI, still
-    use their own cache)."""
-    jax.config.update("jax_enable_compilation_cache", False)
+def private_compilation_cache(tmp_path_factory) -> Path:
+    """JAX's persistent compilation cache for this session only: engines of different tests
+    share programs through it, and the suite never loads an executable that another process (an
+    older checkout, a benchmark, another machine) wrote."""
+    directory = tmp_path_factory.mktemp("xla")
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return directory
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """After each module, drop what it compiled (its engines are gone by then): every executable
+    holds memory mappings of its machine code, and a process with more than vm.max_map_count
+    (65,530 by default) mappings dies inside XLA's next compile."""
+    yield
+    gc.collect()
+    jax.clear_caches()

@@ -25,6 +25,7 @@ def llm() -> LLM:
     return make_llm()
 
 
+@pytest.mark.slow
 def test_long_generation_stays_within_budget(llm):
     budget = 2 * BS  # M = 2 blocks: at most 3 blocks held
     out = llm.generate([PROMPTS[0]], greedy(8 * budget + 7, kv_budget=budget), use_tqdm=False)[0]
@@ -54,6 +55,7 @@ def test_mixed_batch_gives_each_request_its_solo_output(llm):
     assert together[1]["metrics"]["num_compressions"] > 0
 
 
+@pytest.mark.slow
 def test_per_request_eviction_policy_matches_an_engine_with_that_policy(llm):
     budget = 2 * BS
     policies = ["streaming", "window", None]  # None: the engine's eviction_policy
@@ -129,6 +131,7 @@ def test_many_compressing_requests_in_a_tiny_pool(llm):
     assert stats.num_compressions == sum(o["metrics"]["num_compressions"] for o in outs)
 
 
+@pytest.mark.slow
 def test_int8_pool_under_compression_and_prefix_caching_is_deterministic(llm):
     """An int8 pool (per-token scales) with compression, prefix caching and overlapping requests:
     the same engine run twice gives the same tokens, close to the float pool's own output."""

@@ -29,6 +29,7 @@ def prompt_ids(llm: LLM, num_tokens: int) -> list[int]:
     return list(ids[:num_tokens])
 
 
+@pytest.mark.slow
 def test_a_prompt_of_eight_budgets_peaks_at_the_budget_plus_one_chunk(llm):
     budget = BUDGET_BLOCKS * BS
     prompt = prompt_ids(llm, 8 * budget)
@@ -52,6 +53,7 @@ def test_a_prompt_longer_than_the_pool_runs_under_a_budget_and_is_refused_with_f
         llm.engine.add_request(prompt, greedy(4, 0))
 
 
+@pytest.mark.slow
 def test_a_budgeted_generation_runs_several_times_past_the_pool():
     llm = LLM("default", kvcache_block_size=BS, num_kvcache_blocks=9, max_num_seqs=2, max_num_batched_tokens=CHUNK,
               query_cache_len=8)
@@ -65,6 +67,7 @@ def test_a_budgeted_generation_runs_several_times_past_the_pool():
     assert full["metrics"]["prompt_tokens"] + len(full["token_ids"]) == pool_tokens
 
 
+@pytest.mark.slow
 def test_long_prompts_with_budgets_share_a_small_pool_with_full_kv_and_preemption():
     llm = LLM("default", kvcache_block_size=BS, num_kvcache_blocks=18, max_num_seqs=4, max_num_batched_tokens=CHUNK,
               query_cache_len=8)

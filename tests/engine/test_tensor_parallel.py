@@ -159,6 +159,7 @@ def check_int8_report(report: dict) -> None:
     assert_compression_has_no_collective(report)
 
 
+@pytest.mark.slow
 def test_tp2_int8_pool_equals_tp1_int8_full_and_compressed(model_6_2, cache_dir):
     # Scales are per token per kv head, computed where the head lives: TP quantizes as one device does.
     check_int8_report(run_worker(model_6_2, 2, cache_dir, "--kv-cache-dtype", "int8", "--max-tokens", "60",

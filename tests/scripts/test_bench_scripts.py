@@ -545,6 +545,7 @@ def test_bench_math_end_to_end_default_model(tmp_path, capsys):
 # -- bench_engine -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_engine_against_hf_and_the_matmul_floor(llama_dir, capsys):
     assert bench_engine.main(["--model", llama_dir, "--batches", "1", "2", "--new-tokens", "6", "--runs", "2",
                               "--json"]) == 0
