@@ -21,14 +21,6 @@ BUDGETED = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True, kv_budg
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tiny_model_factory, model_cache_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
-    yield tiny_model_factory("llama")
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
 def llm(llama_dir) -> LLM:
     return LLM(str(llama_dir), **OPTIONS)
 
