@@ -359,9 +359,10 @@ class ModelRunner:
         sampled, out_rows, prompt_chunks = [], [], []
         i = 0
         for chunk, rows in prepared:
-            num_entries = sum(int(np.count_nonzero(values["prompt_targets"] >= 0)) for values, _ in rows)
-            if num_entries:
-                prompt_chunks.append(PromptChunk(chunk, i, num_entries))
+            if chunk.seq.computes_prompt_logprobs:
+                num_entries = sum(int(np.count_nonzero(values["prompt_targets"] >= 0)) for values, _ in rows)
+                if num_entries:
+                    prompt_chunks.append(PromptChunk(chunk, i, num_entries))
             for values, srow in rows:
                 inputs.write(i, values)
                 sampling.set(i, srow)
@@ -405,7 +406,7 @@ class ModelRunner:
                 cached = (offset >= 0) & (phys // bs == tails.max())
                 query_index = np.where(cached, seq.query_slot * ql + offset, pad_query)
         positions = chunk.start + np.arange(n)
-        prompt_targets = _prompt_targets(chunk)
+        prompt_targets = _prompt_targets(chunk) if seq.computes_prompt_logprobs else None  # else all -1
         n_rows = -(-n // c)
         SamplingArrays.check(srow, self.suppress_width)
         rows = []
@@ -413,7 +414,9 @@ class ModelRunner:
             part = slice(j * c, min(n, (j + 1) * c))
             values = dict(tokens=tokens[part], positions=positions[part], slots=slots[part],
                           query_index=query_index[part], kv_lens=phys[part] + 1, block_tables=tables,
-                          last_index=part.stop - part.start - 1, prompt_targets=prompt_targets[part])
+                          last_index=part.stop - part.start - 1)
+            if prompt_targets is not None:
+                values["prompt_targets"] = prompt_targets[part]
             last = j == n_rows - 1
             rows.append((values, dataclasses.replace(srow, reset=srow.reset and j == 0, samples=srow.samples and last)))
         return rows
@@ -491,13 +494,12 @@ class _InputArrays:
 
 
 def _prompt_targets(chunk: Chunk) -> np.ndarray:
-    """[num_tokens] i32: the prompt token each position of the chunk predicts, when its sequence
-    computes prompt log-probabilities; -1 elsewhere (past the prompt's second-to-last position)."""
+    """[num_tokens] i32: the prompt token each position of the chunk predicts (its sequence
+    computes prompt log-probabilities); -1 past the prompt's second-to-last position."""
     seq = chunk.seq
     targets = np.full(chunk.num_tokens, -1, np.int32)
-    if seq.computes_prompt_logprobs:
-        predicted = seq.token_ids[chunk.start + 1:min(chunk.start + chunk.num_tokens + 1, seq.num_prompt_tokens)]
-        targets[:len(predicted)] = predicted
+    predicted = seq.token_ids[chunk.start + 1:min(chunk.start + chunk.num_tokens + 1, seq.num_prompt_tokens)]
+    targets[:len(predicted)] = predicted
     return targets
 
 
