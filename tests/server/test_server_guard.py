@@ -172,7 +172,7 @@ def test_a_hundred_thousand_messages_are_refused_at_once(server, queue_empties):
         seconds = time.perf_counter() - start
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
         assert "--max-chat-messages of 10000" in r.json()["error"]["message"]
-        assert seconds < 0.5, seconds
+        assert seconds < 2.0, seconds  # templating them first took 3.8 s; a loaded 2-core CI took 0.50 s here
     r = server.http.post(CHAT, json={"model": MODEL, "messages": USER, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
