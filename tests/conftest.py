@@ -1,5 +1,5 @@
-"""Session-wide fixtures: tiny saved models (built once per session), private param and
-compilation caches; and after each module, its compiled programs released."""
+"""Session-wide fixtures: tiny saved models (built once per session), a private cache of
+parameters and compiled programs; and after each module, its compiled programs released."""
 
 from __future__ import annotations
 
@@ -40,14 +40,16 @@ def model_cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def private_compilation_cache(tmp_path_factory) -> Path:
-    """JAX's persistent compilation cache for this session only: engines of different tests
-    share programs through it, and the suite never loads an executable that another process (an
-    older checkout, a benchmark, another machine) wrote."""
-    directory = tmp_path_factory.mktemp("xla")
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    return directory
+def private_cache(tmp_path_factory) -> Path:
+    """$ZIPAGE_JAX_CACHE for this session only (tests that convert models point it at
+    `model_cache_dir`): engines of different tests share stored programs through it, and the
+    suite never loads a program or parameters that another process (an older checkout, a
+    benchmark) wrote."""
+    directory = tmp_path_factory.mktemp("zipage_jax_home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("ZIPAGE_JAX_CACHE", str(directory))
+    yield directory
+    mp.undo()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -7,7 +7,9 @@ from collections.abc import Callable, Container
 
 import jax
 
-from zipage_jax.engine.runner import CompiledSteps, DeviceState
+from zipage_jax.engine.programs import CompiledSteps
+from zipage_jax.engine.runner import DeviceState
+from zipage_jax.layers.kv_cache import KVState
 
 
 class InjectedFailure(RuntimeError):
@@ -33,7 +35,7 @@ class FailingCalls:
                 out = executable(*call_args)
                 self.calls += 1
                 if self.calls in self.at:
-                    state = next(a for a in call_args if isinstance(a, DeviceState))
+                    state = next(a for a in call_args if isinstance(a, (DeviceState, KVState)))
                     self.donated.append(all(leaf.is_deleted() for leaf in jax.tree.leaves(state)))
                     self.observed.append(observe())
                     raise InjectedFailure(f"injected device failure in call {self.calls}")

@@ -29,7 +29,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: Literal["auto", "xla", "pallas"] = "auto"
     seed: int = 0
-    compilation_cache_dir: str | None = None  # None: $ZIPAGE_JAX_CACHE/xla/<host CPU>; "": off
+    compilation_cache_dir: str | None = None  # compiled programs; None: $ZIPAGE_JAX_CACHE/executables/<host CPU>; "": off
     log_interval_s: float = 10.0
     # compression (None = full KV)
     max_cache_blocks_per_seq: int | None = None

@@ -97,7 +97,8 @@ def test_a_failure_inside_compaction(llm, expected, monkeypatch):
     """The compressed request recomputes its delivered tokens under its budget, as a fresh
     request with those tokens as its prompt would (more than a prefill chunk of them: it
     compacts where such a prompt does); the full-KV one beside it is unaffected."""
-    failure = failing_calls(monkeypatch, llm, llm.engine.runner.compressor, {3})
+    third = 2 * llm.engine.runner.model_config.num_layers + 1  # the third compaction's first layer
+    failure = failing_calls(monkeypatch, llm, llm.engine.runner.compressor, {third})
     got = streamed(llm, [PROMPTS[0], PROMPTS[1]], [BUDGETED, GREEDY])
     assert failure.donated == [True]
     monkeypatch.undo()

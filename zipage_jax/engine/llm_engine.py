@@ -19,7 +19,6 @@ from tqdm.auto import tqdm
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.admission import Admission
 from zipage_jax.engine.block_manager import BlockManager
-from zipage_jax.engine.compilation_cache import enable_compilation_cache
 from zipage_jax.engine.outputs import RequestOutput
 from zipage_jax.engine.pool_plan import plan_pool
 from zipage_jax.engine.postprocess import StepOutputs
@@ -27,6 +26,7 @@ from zipage_jax.engine.request import Request
 from zipage_jax.engine.runner import ModelRunner, PendingBatch, PromptLogprobsResult, RowFailure, StepResult
 from zipage_jax.engine.scheduler import Scheduler, SchedulerOutput
 from zipage_jax.engine.stats import EngineStats
+from zipage_jax.engine.warmup import Warmup, WarmupStatus
 from zipage_jax.models.loading import LoadedModel, load_model
 from zipage_jax.sampling_params import SamplingParams
 
@@ -53,7 +53,6 @@ class _InFlight:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, **options):
         self.config = config = config or EngineConfig.from_options(**options)
-        enable_compilation_cache(config.compilation_cache_dir)
         self.loaded = loaded or load_model(config.model, dtype=config.dtype)
         mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
@@ -77,23 +76,34 @@ class LLMEngine:
         self.recovering = False  # rebuilding the device state after a failed step
         self.failed: BaseException | None = None  # why the engine became unusable
         self._failures_in_a_row = 0
+        self._warmup: Warmup | None = None
         if config.warmup:
             self.warmup()
 
     def warmup(self, progress: bool = True) -> int:
-        """Compiles every step shape the configuration can reach (persistent cache: a restart
-        loads them). Returns the number of programs compiled now."""
-        grid = self.runner.step_grid()
+        """Builds every step shape the configuration can reach, on parallel threads, and returns
+        the number of programs built now (compiled, or loaded from the executable store)."""
         before = self.runner.num_compiles
-        start = time.perf_counter()
-        for _, _, compile_step in tqdm(grid, desc="Compiling", unit="program", disable=not progress,
-                                       dynamic_ncols=True):
-            compile_step()
-        compiled = self.runner.num_compiles - before
+        self._warmup = Warmup(self.runner.step_grid())
+        with tqdm(total=len(self._warmup.grid), desc="Compiling", unit="program", disable=not progress,
+                  dynamic_ncols=True) as bar:
+            self._warmup.run(bar.update)
+        built = self.runner.num_compiles - before
         self.stats.num_compiles = self.runner.num_compiles
-        logger.info("warm-up: %d programs ready (%d compiled) in %.1f s", len(grid), compiled,
-                    time.perf_counter() - start)
-        return compiled
+        logger.info("warm-up: %d programs ready (%d built) in %.1f s", len(self._warmup.grid), built,
+                    self._warmup.status.seconds)
+        return built
+
+    def start_warmup(self) -> Warmup:
+        """Builds the grid in the background, the serving set first (`warmup_status`): steps run
+        meanwhile, padded up to the nearest ready bucket, or compiling the one they need."""
+        self._warmup = Warmup(self.runner.step_grid()).start()
+        return self._warmup
+
+    @property
+    def warmup_status(self) -> WarmupStatus | None:
+        """The latest warm-up's progress; None when none was started."""
+        return None if self._warmup is None else self._warmup.status
 
     @property
     def healthy(self) -> bool:
@@ -279,7 +289,10 @@ class LLMEngine:
         s.seqs_at_budget = sch.num_at_budget()
         s.query_slots_in_use = sch.query_slots.in_use
         s.num_free_blocks = bm.num_free_blocks
-        s.num_compiles = self.runner.num_compiles
+        records = self.runner.records
+        s.num_compiles = len(records)
+        s.num_programs_loaded = sum(r.origin == "loaded" for r in records)
+        s.compile_seconds = sum(r.seconds for r in records)
         return s
 
     def log_line(self) -> str:

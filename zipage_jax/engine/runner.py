@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
+import math
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from pallas_kernels.tiling import next_power_of_two
 from zipage_jax.backend import Backend
@@ -34,7 +37,9 @@ from zipage_jax.compress.policies import compress_rows
 from zipage_jax.compress.step import compress
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, CompressionPlan
+from zipage_jax.engine.executable_store import ExecutableStore, program_key, store_directory
 from zipage_jax.engine.pool_plan import KVPoolPlan
+from zipage_jax.engine.programs import CompiledSteps, ProgramRecord
 from zipage_jax.engine.sampling_batch import SamplingArrays, SamplingRow
 from zipage_jax.engine.scheduler import Chunk
 from zipage_jax.engine.sequence import Sequence, query_tail_start
@@ -46,8 +51,6 @@ from zipage_jax.layers.sampler import SamplerOutput, SamplerState, SamplingBatch
 from zipage_jax.models.decoder import DecoderFns, split
 from zipage_jax.models.loading import LoadedModel
 from zipage_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
-
-logger = logging.getLogger("zipage_jax")
 
 _MIN_HISTORY = 64  # tokens of the smallest history-seeding bucket
 
@@ -63,6 +66,16 @@ def buckets(limit: int, minimum: int = 1) -> list[int]:
     while out[-1] < limit:
         out.append(out[-1] * 2)
     return out
+
+
+@dataclass(frozen=True)
+class GridProgram:
+    """One program of the warm-up grid: its kind, shape bucket and how to build it."""
+
+    kind: str  # forward, compression, history
+    key: tuple
+    build: Callable[[], None]
+    serving: bool = False  # in the serving set: with these ready, every step can run
 
 
 class DeviceState(NamedTuple):
@@ -90,9 +103,11 @@ def _forward_and_sample(param_leaves: list[jax.Array], state: DeviceState, input
     return DeviceState(kv if tp is None else tp.constrain_kv(kv), sampler), out, prompt
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("state",))
-def _compress(state: DeviceState, block_tables, num_blocks, query_ids, compressed, target_tables, rows, *,
-              cfg: CompressionConfig, backend: Backend, tp: TensorParallel | None) -> DeviceState:
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("kv",))
+def _compress(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows, *,
+              cfg: CompressionConfig, backend: Backend, tp: TensorParallel | None) -> KVState:
+    """One compaction step of one layer (`kv` holds that layer only): the runner calls the same
+    program for every layer, so its compile time does not grow with depth."""
     def step(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows) -> KVState:
         queries = list(kv.queries)
         if tp is not None:
@@ -102,9 +117,8 @@ def _compress(state: DeviceState, block_tables, num_blocks, query_ids, compresse
         return kv._replace(pools=tuple(pools))
 
     if tp is not None:  # each shard compresses its own kv heads
-        step = tp.per_shard_kv(step, state.kv)
-    kv = step(state.kv, block_tables, num_blocks, query_ids, compressed, target_tables, rows)
-    return state._replace(kv=kv)
+        step = tp.per_shard_kv(step, kv)
+    return step(kv, block_tables, num_blocks, query_ids, compressed, target_tables, rows)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -115,33 +129,6 @@ def _seed_history(state: DeviceState, slot, tokens, num_prompt) -> DeviceState:
     sampler = record_inputs(state.sampler, tokens, positions, tokens >= 0, slot, num_prompt,
                             jnp.ones((1,), jnp.bool_))
     return state._replace(sampler=sampler)
-
-
-class CompiledSteps:
-    """Ahead-of-time compiled executables of one jitted function, keyed by their shape bucket."""
-
-    def __init__(self, name: str, fn, **static):
-        self.name, self.fn, self.static = name, fn, static
-        self.executables: dict[tuple, object] = {}
-        self.compile_seconds: dict[tuple, float] = {}
-
-    def __call__(self, key: tuple, *args):
-        return self.get(key, *args)(*args)
-
-    def get(self, key: tuple, *args):
-        """The executable for `key`, compiled from `args` (arrays or ShapeDtypeStructs) on a miss."""
-        exe = self.executables.get(key)
-        if exe is None:
-            start = time.perf_counter()
-            exe = self.fn.lower(*args, **self.static).compile()
-            self.executables[key] = exe
-            self.compile_seconds[key] = seconds = time.perf_counter() - start
-            logger.info("compiled the %s step for %s in %.1f s", self.name, _describe(key), seconds)
-        return exe
-
-
-def _describe(key: tuple) -> str:
-    return ", ".join(f"{name} {value}" for name, value in zip(key[::2], key[1::2]))
 
 
 @dataclass
@@ -221,20 +208,53 @@ class ModelRunner:
             kv_dtype=pool.kv_dtype, global_score=config.compression.use_global_score)
         make_sampler = functools.partial(SamplerState.zeros, config.max_num_seqs, mc.vocab_size)
         self._make_kv, self._make_sampler = make_kv, make_sampler
-        self.state = self._fresh_state()
+        # Zeroing the pool takes seconds (its pages are touched once): it runs beside whatever
+        # comes next (loading or compiling programs), and the first step waits for it.
+        self.abstract_state = self._abstract_state()
+        self._state: DeviceState | None = None
+        self._state_future = _background(self._fresh_state)
         self.compression = config.compression
-        self.forward = CompiledSteps("forward", _forward_and_sample, fns=self.fns, params_def=self.params_def,
+        store = self._executable_store(loaded)
+        self.forward = CompiledSteps("forward", _forward_and_sample, store, fns=self.fns, params_def=self.params_def,
                                      backend=self.backend, tp=self.tp)
-        self.compressor = CompiledSteps("compression", _compress, cfg=self.compression, backend=self.backend,
+        self.compressor = CompiledSteps("compression", _compress, store, cfg=self.compression, backend=self.backend,
                                         tp=self.tp)
-        self.seeder = CompiledSteps("history", _seed_history)
+        self.seeder = CompiledSteps("history", _seed_history, store)
+        self.programs = (self.forward, self.compressor, self.seeder)
         self.compress_seconds = 0.0  # measured with config.profile_compaction only
+
+    def _executable_store(self, loaded: LoadedModel) -> ExecutableStore | None:
+        root = store_directory(self.config.compilation_cache_dir)
+        if root is None:
+            return None
+        shapes = [(tuple(x.shape), str(x.dtype)) for x in self.param_leaves]
+        key = program_key(self.config, loaded.config, shapes, jax.devices()[:self.config.tensor_parallel_size])
+        return ExecutableStore(root / key)
 
     def _fresh_state(self) -> DeviceState:
         """An empty KV pool and sampler state, placed as every compiled step expects them."""
-        if self.tp is None:  # committed to the device, so the first call compiles once, not twice
-            return jax.device_put(DeviceState(self._make_kv(), self._make_sampler()), jax.devices()[0])
+        if self.tp is None:  # host zeros copied in: no program compiled (committed to the device, as steps expect)
+            return jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), self.abstract_state)
         return DeviceState(self.tp.make_kv(self._make_kv), self.tp.replicate(self._make_sampler()))
+
+    @property
+    def state(self) -> DeviceState:
+        if self._state is None:
+            self._state = self._state_future.result()
+        return self._state
+
+    @state.setter
+    def state(self, value: DeviceState) -> None:
+        self._state = value
+
+    def _abstract_state(self) -> DeviceState:
+        """The device state's shapes, dtypes and placement (what compiling a step needs of it)."""
+        shapes = jax.eval_shape(lambda: DeviceState(self._make_kv(), self._make_sampler()))
+        if self.tp is None:
+            shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), shapes)
+        else:
+            shardings = DeviceState(self.tp.kv_shardings(shapes.kv), self.tp.replicated_shardings(shapes.sampler))
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
     def reset_state(self) -> None:
         """After a failed step: frees what is left of the device state (a failed call may have
@@ -251,20 +271,37 @@ class ModelRunner:
         return jax.tree.unflatten(self.params_def, self.param_leaves)
 
     @property
+    def records(self) -> list[ProgramRecord]:
+        """How every ready program was built (compiled or loaded), with its seconds per stage."""
+        return [r for steps in self.programs for r in list(steps.records.values())]
+
+    @property
     def num_compiles(self) -> int:
-        return sum(len(s.executables) for s in (self.forward, self.compressor, self.seeder))
+        """Programs ready: compiled here or loaded from the executable store."""
+        return sum(len(s.executables) for s in self.programs)
 
     @property
     def compile_seconds(self) -> float:
-        """Seconds spent compiling (or loading from the persistent cache) every program so far."""
-        return sum(sum(s.compile_seconds.values()) for s in (self.forward, self.compressor, self.seeder))
+        """Seconds spent building every program so far (tracing, lowering, compiling or loading)."""
+        return sum(r.seconds for r in self.records)
+
+    @staticmethod
+    def _ready_key(steps: CompiledSteps, key: tuple) -> tuple:
+        """`key`, or while the warm-up still compiles it, the smallest ready program of the same
+        kind that every dimension of `key` fits in (its rows are padding)."""
+        if steps.ready(key):
+            return key
+        fits = [k for k in list(steps.executables) if k[0::2] == key[0::2]
+                and all(have >= need for have, need in zip(k[1::2], key[1::2]))]
+        return min(fits, key=lambda k: math.prod(k[1::2])) if fits else key
 
     # -- compression ----------------------------------------------------------------------
 
     def compress(self, plans: list[CompressionPlan]) -> None:
         """One compaction of every sequence in `plans`, whatever their budgets and policies."""
-        b = bucket(len(plans))
-        w = bucket(max(len(p.source_table) for p in plans), 2)
+        key = self._ready_key(self.compressor, ("batch", bucket(len(plans)),
+                                                "blocks", bucket(max(len(p.source_table) for p in plans), 2)))
+        b, w = key[1], key[3]
         tables = np.full((b, w), DUMMY_BLOCK, np.int32)
         targets = np.full((b, w), DUMMY_BLOCK, np.int32)
         num_blocks = np.zeros(b, np.int32)
@@ -282,8 +319,12 @@ class ModelRunner:
         if profile:  # time the compaction alone, not the forward step still in flight
             jax.block_until_ready(self.state)
         start = time.perf_counter()
-        self.state = self.compressor(("batch", b, "blocks", w), self.state, tables, num_blocks, query_ids,
-                                     compressed, targets, rows)
+        pools, queries = list(self.state.kv.pools), list(self.state.kv.queries)
+        for i in range(len(pools)):  # one program, called per layer
+            layer = self.compressor(key, KVState((pools[i],), (queries[i],)), tables, num_blocks, query_ids,
+                                    compressed, targets, rows)
+            pools[i], queries[i] = layer.pools[0], layer.queries[0]
+        self.state = self.state._replace(kv=KVState(tuple(pools), tuple(queries)))
         if profile:
             jax.block_until_ready(self.state)
             self.compress_seconds += time.perf_counter() - start
@@ -300,6 +341,9 @@ class ModelRunner:
                 rows.append((chunk, self._sampling_row(chunk)))
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 failures.append(RowFailure(chunk, exc))
+        decoding_next = sum(c.num_tokens == 1 or c.samples for c, _ in rows)
+        if decoding_next:  # the next step's decode program builds beside this step
+            self._prefetch_decode(bucket(decoding_next))
         pending = []
         for is_decode in (True, False):
             picked = [(c, r) for c, r in rows if (c.num_tokens == 1) == is_decode]
@@ -308,6 +352,10 @@ class ModelRunner:
                 if batch is not None:
                     pending.append(batch)
         return pending, failures
+
+    def _prefetch_decode(self, r: int) -> None:
+        if not self.forward.ready(self._ready_key(self.forward, ("decode rows", r))):
+            self.forward.prefetch(*self._forward_shapes(r, 1))
 
     def _sampling_row(self, chunk: Chunk) -> SamplingRow:
         seq = chunk.seq
@@ -353,7 +401,9 @@ class ModelRunner:
         num_rows = sum(len(rows) for _, rows in prepared)
         if num_rows == 0:
             return None
-        r = bucket(num_rows)
+        kind = "decode rows" if is_decode else "prefill rows"
+        key = self._ready_key(self.forward, (kind, bucket(num_rows)))
+        r = key[1]
         inputs = _InputArrays(r, chunk_len, self._table_width(chunk_len), self.num_query_slots * self.query_cache_len)
         sampling = SamplingArrays(r, self.suppress_width, self.pad_slot, self.vocab_size)
         sampled, out_rows, prompt_chunks = [], [], []
@@ -370,9 +420,11 @@ class ModelRunner:
             if chunk.samples:
                 sampled.append(chunk)
                 out_rows.append(i - 1)
-        key = ("decode rows" if is_decode else "prefill rows", r)
-        self.state, outputs, prompt = self.forward(key, self.param_leaves, self.state, inputs.step_inputs(),
-                                                   sampling.batch(), inputs.prompt_targets)
+        step_inputs, batch = inputs.step_inputs(), sampling.batch()
+        # the program first: it loads or compiles while the device state may still be zeroed
+        self.forward.get(key, self.param_leaves, self.abstract_state, step_inputs, batch, inputs.prompt_targets)
+        self.state, outputs, prompt = self.forward(key, self.param_leaves, self.state, step_inputs, batch,
+                                                   inputs.prompt_targets)
         return PendingBatch(sampled, out_rows, outputs, prompt_chunks, prompt)
 
     def _table_width(self, chunk_len: int) -> int:
@@ -425,45 +477,57 @@ class ModelRunner:
         """Clears `seq`'s state slot and counts its cached prefix tokens (penalised requests
         admitted with a prefix-cache hit: those tokens never pass through a step)."""
         n = seq.num_computed_tokens
-        width = bucket(n, _MIN_HISTORY)
+        key = self._ready_key(self.seeder, ("tokens", bucket(n, _MIN_HISTORY)))
+        width = key[1]
         tokens = np.full((1, width), -1, np.int32)
         tokens[0, :n] = seq.token_ids[:n]
-        self.state = self.seeder(("tokens", width), self.state, np.array([seq.state_slot], np.int32), tokens,
+        self.state = self.seeder(key, self.state, np.array([seq.state_slot], np.int32), tokens,
                                  np.array([seq.num_prompt_tokens], np.int32))
 
     # -- warm-up --------------------------------------------------------------------------
 
-    def step_grid(self) -> list[tuple[str, tuple, Callable[[], None]]]:
-        """Every program the configuration can reach: (kind, key, compile it)."""
+    def step_grid(self) -> list[GridProgram]:
+        """Every program the configuration can reach, the serving set first: the largest bucket of
+        each kind, which every step fits in by padding, so a warm-up can serve once those are ready."""
         cfg = self.config
         grid = []
         for r in buckets(cfg.max_num_seqs):
-            grid.append(("forward", ("decode rows", r), functools.partial(self._compile_forward, r, 1)))
+            grid.append(GridProgram("forward", ("decode rows", r), functools.partial(self._compile_forward, r, 1)))
         for r in buckets(max(1, cfg.max_num_batched_tokens // self.row_size)):
-            grid.append(("forward", ("prefill rows", r), functools.partial(self._compile_forward, r, self.row_size)))
+            grid.append(GridProgram("forward", ("prefill rows", r),
+                                    functools.partial(self._compile_forward, r, self.row_size)))
         for b in buckets(cfg.max_compress_seqs):
             for w in buckets(self.max_blocks, 2):
-                grid.append(("compression", ("batch", b, "blocks", w), functools.partial(self._compile_compress, b, w)))
+                grid.append(GridProgram("compression", ("batch", b, "blocks", w),
+                                        functools.partial(self._compile_compress, b, w)))
         for n in buckets(self.pool.max_model_len, _MIN_HISTORY):
-            grid.append(("history", ("tokens", n), functools.partial(self._compile_seed, n)))
-        return grid
+            grid.append(GridProgram("history", ("tokens", n), functools.partial(self._compile_seed, n)))
+        largest = {}
+        for program in grid:  # buckets ascend: the last of a kind and layout is its largest
+            largest[(program.kind, program.key[0::2])] = program
+        serving = [dataclasses.replace(p, serving=True) for p in largest.values()]
+        return serving + [p for p in grid if p not in largest.values()]
 
     def _compile_forward(self, r: int, c: int) -> None:
+        self.forward.get(*self._forward_shapes(r, c))
+
+    def _forward_shapes(self, r: int, c: int) -> tuple:
+        """(key, *arguments) of the forward program for r rows of c tokens."""
         inputs = _InputArrays(r, c, self._table_width(c), 0)
         sampling = SamplingArrays(r, self.suppress_width, self.pad_slot, self.vocab_size)
-        kind = "decode rows" if c == 1 else "prefill rows"
-        self.forward.get((kind, r), self.param_leaves, self.state, inputs.step_inputs(), sampling.batch(),
-                         inputs.prompt_targets)
+        return (("decode rows" if c == 1 else "prefill rows", r), self.param_leaves, self.abstract_state,
+                inputs.step_inputs(), sampling.batch(), inputs.prompt_targets)
 
     def _compile_compress(self, b: int, w: int) -> None:
         tables = np.zeros((b, w), np.int32)
         rows = compress_rows([], b)
-        self.compressor.get(("batch", b, "blocks", w), self.state, tables, np.zeros(b, np.int32),
+        layer = KVState(self.abstract_state.kv.pools[:1], self.abstract_state.kv.queries[:1])
+        self.compressor.get(("batch", b, "blocks", w), layer, tables, np.zeros(b, np.int32),
                             np.zeros(b, np.int32), np.zeros(b, bool), tables, rows)
 
     def _compile_seed(self, n: int) -> None:
         one = np.zeros(1, np.int32)
-        self.seeder.get(("tokens", n), self.state, one, np.zeros((1, n), np.int32), one)
+        self.seeder.get(("tokens", n), self.abstract_state, one, np.zeros((1, n), np.int32), one)
 
 
 class _InputArrays:
@@ -491,6 +555,20 @@ class _InputArrays:
     def step_inputs(self) -> StepInputs:
         return StepInputs(self.tokens, self.positions, self.slots, self.query_index, self.block_tables,
                           self.kv_lens, self.last_index)
+
+
+def _background(fn: Callable[[], DeviceState]) -> Future:
+    """fn() on a daemon thread."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - raised where the state is first used
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="zipage-state", daemon=True).start()
+    return future
 
 
 def _prompt_targets(chunk: Chunk) -> np.ndarray:

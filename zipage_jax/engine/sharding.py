@@ -78,9 +78,12 @@ class TensorParallel:
         """Builds the zero KV state directly sharded (the whole pool never sits on one device)."""
         return jax.jit(make, out_shardings=self.kv_shardings(jax.eval_shape(make)))()
 
+    def replicated_shardings(self, tree):
+        return jax.tree_util.tree_map(lambda _: NamedSharding(self.mesh, P()), tree)
+
     def replicate(self, tree):
         """Every device holds the whole of `tree` (the sampler's state)."""
-        return _place(tree, jax.tree_util.tree_map(lambda _: NamedSharding(self.mesh, P()), tree))
+        return _place(tree, self.replicated_shardings(tree))
 
     def constrain_kv(self, kv: KVState) -> KVState:
         """Inside jit: pins the returned KV state to its input layout (steady jit cache keys)."""

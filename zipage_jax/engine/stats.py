@@ -28,7 +28,9 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     num_recoveries: int = 0  # device-state rebuilds after a failed step
-    num_compiles: int = 0  # programs compiled since the engine started (warm-up included)
+    num_compiles: int = 0  # programs built since the engine started (warm-up included): compiled or loaded
+    num_programs_loaded: int = 0  # of which loaded from the executable store (neither traced nor compiled)
+    compile_seconds: float = 0.0  # building them: tracing, lowering and compiling, or loading
     num_steps: int = 0
     step_seconds: float = 0.0  # wall time inside step()
     device_wait_seconds: float = 0.0  # of which waiting for the device's tokens (the rest is host work)

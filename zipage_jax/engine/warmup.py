@@ -1,0 +1,116 @@
+"""Warm-up: builds the runner's program grid on worker threads, the serving set first.
+
+XLA compiles outside the GIL, so programs compile side by side (tracing and lowering take
+turns). The grid's serving set (the largest bucket of each kind) comes first: once it is ready
+every step can run, padded up to the nearest ready bucket, while the rest compile behind it.
+Run it to the end (`run`) or in the background (`start`), as the server does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from zipage_jax.engine.runner import GridProgram
+
+logger = logging.getLogger("zipage_jax")
+
+MAX_WORKERS = 8
+
+
+def default_workers() -> int:
+    """One compile thread per core, at most MAX_WORKERS."""
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class WarmupStatus:
+    total: int  # programs in the grid
+    ready: int  # built so far (compiled or loaded)
+    serving_ready: bool  # the serving set is built: every step can run without compiling
+    done: bool  # every program is built (or failed)
+    seconds: float  # since the warm-up started (to the end once done)
+    failed: int  # programs whose build raised (they compile again when a step needs them)
+
+
+class Warmup:
+    def __init__(self, grid: list[GridProgram], workers: int | None = None):
+        self.grid = grid
+        self.workers = workers or default_workers()
+        self._queue: queue.SimpleQueue[GridProgram | None] = queue.SimpleQueue()
+        self._serving_left = sum(p.serving for p in grid)
+        self._left = len(grid)
+        self._failed = 0
+        self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)
+        self._started = self._ended = 0.0
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+
+    def start(self) -> "Warmup":
+        """Builds the grid on daemon threads and returns at once."""
+        self._started = time.perf_counter()
+        for program in self.grid:
+            self._queue.put(program)
+        for i in range(min(self.workers, len(self.grid))):
+            self._queue.put(None)  # one end marker per worker
+            thread = threading.Thread(target=self._work, name=f"zipage-warmup-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        if not self.grid:
+            self._ended = self._started
+        return self
+
+    def run(self, on_progress: Callable[[int], None] | None = None) -> "Warmup":
+        """Builds the whole grid and returns when it is done; `on_progress(n)` as n more are built."""
+        self.start()
+        reported = 0
+        with self._progress:
+            while self._left:
+                self._progress.wait_for(lambda: len(self.grid) - self._left > reported)
+                built = len(self.grid) - self._left
+                if on_progress is not None:
+                    on_progress(built - reported)
+                reported = built
+        return self
+
+    def wait_serving(self, timeout: float | None = None) -> bool:
+        """Waits until the serving set is built; False on timeout."""
+        with self._progress:
+            return self._progress.wait_for(lambda: self._serving_left == 0, timeout)
+
+    def stop(self) -> None:
+        """Builds nothing more (programs being built finish) and waits for the workers."""
+        self._stopping = True
+        for thread in self._threads:
+            thread.join()
+
+    @property
+    def status(self) -> WarmupStatus:
+        with self._lock:
+            end = self._ended or time.perf_counter()
+            return WarmupStatus(total=len(self.grid), ready=len(self.grid) - self._left - self._failed,
+                                serving_ready=self._serving_left == 0, done=self._left == 0,
+                                seconds=end - self._started if self._started else 0.0, failed=self._failed)
+
+    def _work(self) -> None:
+        while (program := self._queue.get()) is not None:
+            failed = False
+            if not self._stopping:
+                try:
+                    program.build()
+                except Exception:  # noqa: BLE001 - a step that needs it compiles it and fails there
+                    logger.exception("warm-up: building the %s program %s failed", program.kind, program.key)
+                    failed = True
+            with self._progress:
+                self._left -= 1
+                self._failed += failed
+                self._serving_left -= program.serving
+                if self._left == 0:
+                    self._ended = time.perf_counter()
+                self._progress.notify_all()
