@@ -3,12 +3,15 @@
     python scripts/serve_jax.py --model default --port 8000 --kvcache-block-size 32 --max-cache-blocks-per-seq 8
 
 Every EngineConfig field is a flag (--max-num-seqs, --num-kvcache-blocks, ...). The server
-answers at once; /health is 503 until the model has loaded, then 200. Exits with status 1 if
-the model fails to load, or once the engine fails for good (a failed device step it could not
-recover from). Prompts and stop strings per request are unbounded unless a --max-* flag below
-bounds them, as in vLLM; chat messages, their text and the queue have generous bounds. With
---api-key (or ZIPAGE_API_KEY / VLLM_API_KEY) the /v1 and tokenizer routes need
-`Authorization: Bearer KEY`. docs/openai-compatibility.md lists every parameter and route.
+answers at once; /health is 503 until the model has loaded and the largest compiled program of
+each kind is built, then 200: the server warms up in the background (the other programs build
+behind those) unless --no-warmup, with which steps compile what they need on first use. Exits
+with status 1 if the model fails to load, or once the engine fails for good (a failed device
+step it could not recover from). Prompts and stop strings per request are unbounded unless a
+--max-* flag below bounds them, as in vLLM; chat messages, their text and the queue have
+generous bounds. With --api-key (or ZIPAGE_API_KEY / VLLM_API_KEY) the /v1 and tokenizer
+routes need `Authorization: Bearer KEY`. docs/openai-compatibility.md lists every parameter and
+route.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                              "routes (/health, /metrics, /version, /openapi.json and /docs stay open); default: "
                              f"${KEY_VARIABLES[0]}, else ${KEY_VARIABLES[1]}, else none (no key needed)")
     add_engine_arguments(parser)
+    _server_warmup_help(parser)
     add_distributed_arguments(parser)
     args = parser.parse_args(argv)
     if (args.num_processes or 1) > 1:
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                      "devices); multi-process runs: python -m zipage_jax generate")
     options = engine_options(args)
     options.setdefault("model", "default")
+    warmup = options.pop("warmup", True)  # the server warms up in the background, not in the engine's constructor
+    options["warmup"] = False
 
     def stop(exc: BaseException) -> None:  # the model failed to load, or the engine failed
         server.should_exit = True
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         app = create_app(lambda: LLMEngine(**options), args.served_model_name or [options["model"]],
                          stop, max_n=args.max_n, max_request_bytes=args.max_request_bytes, limits=limits,
                          on_engine_error=stop, max_queued_requests=args.max_queued_requests,
-                         api_key=api_key_from(args.api_key, os.environ))
+                         api_key=api_key_from(args.api_key, os.environ), warmup=warmup)
         start_distributed(args)
     except ValueError as exc:
         parser.error(str(exc))
@@ -99,6 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     server.run()
     engine_loop = app.state.engine_loop
     return 1 if engine_loop.load_error is not None or engine_loop.engine_error is not None else 0
+
+
+def _server_warmup_help(parser: argparse.ArgumentParser) -> None:
+    """--warmup/--no-warmup as the server reads it (on unless --no-warmup)."""
+    for action in parser._actions:
+        if action.dest == "warmup":
+            action.help = ("build every compiled program in the background once the model has loaded, the largest "
+                           "of each kind first; /health, generation and tokenizer routes answer 503 until those "
+                           "are ready (default: on; --no-warmup: serve at once, compiling programs when the first "
+                           "requests need them)")
+            return
+    raise AssertionError("the engine flags have no --warmup")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The engine's compiled steps lower to CUDA for H200s with the Pallas backend (on the CPU).
 
-The runner's jitted functions themselves, `_forward_and_sample` (decode rows [B, 1], prefill
-rows [R, C]) and `_compress`, traced with abstract arguments of the runner's shapes and
+The runner's jitted functions themselves, the forward step's stages (`engine/forward.py`:
+embed, a group of layers, head; decode rows [B, 1], prefill rows [R, C]) and `_compress`
+(one layer), traced with abstract arguments of the runner's shapes and
 lowered for ("cuda",) under abstract H200s: a 2-layer random decoder of the default model's
 shape (SmolLM2-135M: 9 / 3 heads, head dim 64) and of Qwen3-8B's (32 / 8 heads, head dim 128),
 bfloat16 and float32, blocks of 16 and 256 tokens, model-dtype and int8 pools, one device
@@ -29,14 +30,17 @@ from pallas_kernels import kv_quant
 from zipage_jax.backend import Backend
 from zipage_jax.compress.policies import compress_rows
 from zipage_jax.config import EngineConfig
-from zipage_jax.engine.runner import DeviceState, _compress, _forward_and_sample, bucket
+from zipage_jax.engine import forward
+from zipage_jax.engine.runner import DeviceState, _compress, bucket
 from zipage_jax.engine.sampling_batch import SamplingArrays
 from zipage_jax.engine.sharding import TensorParallel, check_divisible
 from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.layers.paged_attention import StepInputs, uses_block_tables, xla_page_size
 from zipage_jax.layers.sampler import SamplerState
 from zipage_jax.models.config import ModelConfig
-from zipage_jax.models.decoder import Decoder, split
+from flax import nnx
+
+from zipage_jax.models.decoder import Decoder, stages
 from zipage_jax.sampling_params import MAX_STOP_TOKEN_IDS
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -96,9 +100,9 @@ class Engine:
         self.tp = TensorParallel(self.mesh, kv_repeats=repeats) if self.mesh is not None else None
         self.max_blocks = MAX_MODEL_LEN // case.block_size
         self.num_blocks = 1 + MAX_NUM_SEQS * self.max_blocks // 4
-        self.fns, params = split(Decoder(self.cfg, dtype=self.dtype, rngs=None))
+        graphdef, params = nnx.split(Decoder(self.cfg, dtype=self.dtype, rngs=None))
         params = self._abstract(params, None if self.tp is None else self.tp.param_shardings(params))
-        self.param_leaves, self.params_def = jax.tree.flatten(params)
+        self.stages, self.params = stages(nnx.merge(graphdef, params), NUM_LAYERS)
         kv = jax.eval_shape(lambda: KVState.zeros(
             num_layers=NUM_LAYERS, num_blocks=self.num_blocks, block_size=case.block_size,
             num_kv_heads=self.cfg.num_kv_heads, num_heads=self.cfg.num_heads, head_dim=self.cfg.head_dim,
@@ -120,6 +124,7 @@ class Engine:
         return self._abstract(np.zeros(shape, dtype))
 
     def lower_forward(self, rows: int, chunk: int) -> str:
+        """The three stages' lowered text, joined (every layer is in the one group)."""
         bs = self.case.block_size
         width = self.max_blocks if uses_block_tables(Backend.PALLAS, chunk) else self.max_blocks * (bs // xla_page_size(bs))
         per_token = self._ints(rows, chunk)
@@ -127,15 +132,23 @@ class Engine:
                             self._ints(rows))
         sampling = self._abstract(SamplingArrays(rows, bucket(MAX_STOP_TOKEN_IDS + 1), MAX_NUM_SEQS,
                                                  self.cfg.vocab_size).batch())
-        return lower_for_h200(_forward_and_sample, self.param_leaves, self.state, inputs, sampling, per_token,
-                              mesh=self.mesh, fns=self.fns, params_def=self.params_def, backend=Backend.PALLAS,
-                              tp=self.tp)
+        replicated = NamedSharding(self.mesh, P()) if self.mesh is not None else None
+        x = self._abstract(np.zeros((rows, chunk, self.cfg.hidden_size), self.dtype))
+        p, static = self.params, dict(mesh=self.mesh, stages=self.stages)
+        return "\n".join([
+            lower_for_h200(forward._embed, p.embed, self.state.sampler, inputs, sampling, replicated=replicated,
+                           **static),
+            lower_for_h200(forward._layers, p.groups[0], x, self.state.kv, inputs, backend=Backend.PALLAS, tp=self.tp,
+                           replicated=replicated, **static),
+            lower_for_h200(forward._head, p.head, x, self.state.sampler, sampling, per_token, self._ints(rows),
+                           **static)])
 
     def lower_compress(self) -> str:
         b, w = COMPRESS_BATCH, COMPRESS_WIDTH[self.case.block_size]
         cfg = EngineConfig().compression
         rows = self._abstract(compress_rows([], b))
-        return lower_for_h200(_compress, self.state, self._ints(b, w), self._ints(b), self._ints(b),
+        layer = KVState(self.state.kv.pools[:1], self.state.kv.queries[:1])
+        return lower_for_h200(_compress, layer, self._ints(b, w), self._ints(b), self._ints(b),
                               self._ints(b, dtype=bool), self._ints(b, w), rows, mesh=self.mesh, cfg=cfg,
                               backend=Backend.PALLAS, tp=self.tp)
 

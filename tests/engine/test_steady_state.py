@@ -69,10 +69,10 @@ def test_warmed_up_engine_never_compiles_and_the_counter_sees_compiles(llama_dir
     assert logged == len(compiled)  # no program compiled twice (a committed state)
 
     warm = LLM(str(llama_dir), warmup=True, **OPTIONS)
-    grid = len(warm.engine.runner.step_grid())
-    assert warm.engine.runner.num_compiles == grid
+    assert warm.engine.warmup_status.ready == len(warm.engine.runner.step_grid())
+    built = warm.engine.runner.num_compiles
     logged, outputs = count_compiles(lambda: mixed_workload(warm))
-    assert logged == 0 and warm.engine.runner.num_compiles == grid
+    assert logged == 0 and warm.engine.runner.num_compiles == built
     assert outputs == expected
 
 

@@ -109,12 +109,16 @@ def test_tp2_weights_split_megatron_style_and_pool_split_on_heads(tp2):
 
 
 def assert_two_all_reduces_per_layer(report: dict) -> None:
-    """Every compiled decode and prefill program: 2 all-reduces per layer, no other collective."""
-    kinds = set()
-    for key, ops in report["collectives"]["forward"].items():
-        kinds.add(key.split()[0])
-        assert list(ops) == ["all-reduce"] and len(ops["all-reduce"]) == 2 * report["num_layers"], (key, ops)
-    assert kinds == {"decode", "prefill"}, kinds
+    """Every compiled decode and prefill program of a layer group: 2 all-reduces per layer, no
+    other collective; the embed and head programs: none."""
+    for stage in ("embed", "layers", "head"):
+        programs = report["collectives"][stage]
+        assert {key.split()[0] for key in programs} == {"decode", "prefill"}, (stage, programs)
+        for key, ops in programs.items():
+            if stage != "layers":
+                assert ops == {}, (stage, key, ops)
+                continue
+            assert list(ops) == ["all-reduce"] and len(ops["all-reduce"]) == 2 * report["layers_per_group"], (key, ops)
 
 
 def assert_compression_has_no_collective(report: dict) -> None:
@@ -124,7 +128,7 @@ def assert_compression_has_no_collective(report: dict) -> None:
 
 def test_tp2_only_collectives_are_two_all_reduces_per_layer_and_compression_has_none(tp2):
     assert_two_all_reduces_per_layer(tp2)  # the replicated sampler state adds no collective
-    for ops in tp2["collectives"]["forward"].values():  # [B, C, E]: after o_proj and after down_proj
+    for ops in tp2["collectives"]["layers"].values():  # [B, C, E]: after o_proj and after down_proj
         assert all(shape.endswith(",96]") for shape in ops["all-reduce"]), ops
     assert_compression_has_no_collective(tp2)  # no all-gather of the pool: every shard works alone
 
@@ -245,7 +249,7 @@ def test_tp4_with_repeated_kv_heads_equals_tp1(tiny_model_factory, cache_dir):
     # Compression gathers only the query group of the sequences it compresses ([B, QL, Hq, D]).
     assert report["collectives"]["compression"]
     for gathers in report["collectives"]["compression"].values():
-        assert list(gathers) == ["all-gather"] and len(gathers["all-gather"]) == report["num_layers"]
+        assert list(gathers) == ["all-gather"] and len(gathers["all-gather"]) == 1  # one program per layer
         assert all(re.fullmatch(r"f32\[\d+,16,4,16\]", shape) for shape in gathers["all-gather"]), gathers
 
 

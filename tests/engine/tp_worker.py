@@ -51,7 +51,7 @@ def use_backend(runner, backend: str) -> None:
     EngineConfig choice: it only exists for tests on CPU)."""
     assert runner.num_compiles == 0, "switch the backend before anything compiles"
     runner.backend = backend = Backend.parse(backend)
-    runner.forward.static["backend"] = runner.compressor.static["backend"] = backend
+    runner.forward.layers.static["backend"] = runner.compressor.static["backend"] = backend
 
 
 def count_compiles(workload) -> int:
@@ -124,8 +124,10 @@ def main() -> None:
             report["shardings"] = shardings(llm)
             report["num_kv_heads"] = runner.model_config.num_kv_heads  # after any repetition
             report["num_layers"] = llm.engine.loaded.config.num_layers
-            report["collectives"] = {"forward": collectives(runner.forward),
-                                     "compression": collectives(runner.compressor)}
+            report["layers_per_group"] = runner.forward.group_size
+            report["collectives"] = {name: collectives(steps) for name, steps in (
+                ("embed", runner.forward.embed), ("layers", runner.forward.layers), ("head", runner.forward.head),
+                ("compression", runner.compressor))}
         del llm
     report["tokens"] = {str(size): list(t) for size, t in tokens.items()}
     report["full_identical"] = tokens[1][0] == tokens[args.tp][0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from zipage_jax.layers.attention import causal_attention
 from zipage_jax.layers.norms import rms_norm
 from zipage_jax.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin
 from zipage_jax.models.config import ModelConfig, RopeScaling
-from zipage_jax.models.decoder import Decoder, split
+from zipage_jax.models.decoder import Decoder, split, stages
 from zipage_jax.models.loading import load_model
 from zipage_jax.models.weights import split_qkv
 
@@ -226,3 +228,32 @@ def test_bfloat16_model_keeps_weights_in_dtype(tiny_model_factory, model_cache_d
     ours, ref = model_logits(bf16.model, PROMPT_IDS), model_logits(f32.model, PROMPT_IDS)
     assert ours.dtype == np.float32
     assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("per_group", [1, 2, 4])
+def test_stages_compose_to_the_whole_forward(tied, per_group):
+    """embed, every group of layers (each numbering its layers from 0 in its own cache), then
+    norm and LM head give the whole forward's logits and the same cache values per layer."""
+    cfg = dataclasses.replace(ModelConfig.from_hf(hf_config("qwen3")), num_layers=4, tie_word_embeddings=tied)
+    model = Decoder(cfg, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    fns, state = split(model)
+    ids = jnp.asarray([[5, 6, 7, 9]], jnp.int32)
+    pos = jnp.arange(4, dtype=jnp.int32)[None]
+
+    def record(layer, q, k, v, cache):  # cache: the keys each layer saw, by its index
+        return causal_attention(layer, q, k, v, None)[0], cache[:layer] + (k,) + cache[layer + 1:]
+
+    hidden, keys = fns.forward(state, ids, pos, record, (None,) * 4)
+    staged, params = stages(model, per_group)
+    assert len(params.groups) == 4 // per_group and all(len(g) == per_group for g in params.groups)
+    x, seen = staged.embed(params.embed, ids), []
+    for group in params.groups:
+        x, group_keys = staged.layers(group, x, pos, record, (None,) * per_group)
+        seen += group_keys
+    np.testing.assert_allclose(np.asarray(staged.logits(params.head, staged.norm(params.head, x))),
+                               np.asarray(fns.logits(state, hidden)), rtol=1e-5, atol=1e-5)
+    for got, want in zip(seen, keys):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="do not divide"):
+        stages(model, 3)

@@ -28,6 +28,7 @@ class _Request:
 class ScriptedEngine:
     failed = None  # it never fails for good
     healthy = True
+    warmup_status = None  # it builds no programs
 
     def __init__(self, **options):
         self._engine = LLMEngine(**options)

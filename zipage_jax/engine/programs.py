@@ -49,21 +49,6 @@ class CompiledSteps:
     def ready(self, key: tuple) -> bool:
         return key in self.executables
 
-    def prefetch(self, key: tuple, *args) -> None:
-        """Builds the program for `key` on a thread of its own, unless it is ready or being built
-        (a step that needs it then waits for that build). Not a daemon: the process exits after it."""
-        with self._lock:
-            if key in self.executables or key in self._building:
-                return
-
-        def build() -> None:
-            try:
-                self.get(key, *args)
-            except Exception:  # noqa: BLE001 - the step that needs it builds it again and raises
-                logger.exception("building the %s program %s ahead failed", self.name, key)
-
-        threading.Thread(target=build, name=f"zipage-prefetch-{self.name}").start()
-
     def get(self, key: tuple, *args):
         """The executable for `key`, built from `args` (arrays or ShapeDtypeStructs) on a miss."""
         exe = self.executables.get(key)

@@ -1,16 +1,20 @@
 """The one door to the device: the donated device state, the compiled steps, host <-> device.
 
 Per engine step: (1) one compaction of the sequences that reached their budget, (2) one prefill
-step over the step's prefill rows, (3) one decode step. Each is one compiled call that donates
-the state and is dispatched without waiting; `dispatch` returns handles and `fetch` turns them
-into tokens, so the engine can schedule and dispatch step N+1 while the device runs step N.
+step over the step's prefill rows, (3) one decode step. Each is dispatched without waiting and
+donates the state it updates; `dispatch` returns handles and `fetch` turns them into tokens, so
+the engine can schedule and dispatch step N+1 while the device runs step N.
 
 Programs are compiled ahead of time and keyed by shape buckets only (`buckets`): decode rows
 (up to max_num_seqs), prefill rows of `prefill_row_size` tokens (up to max_num_batched_tokens /
-prefill_row_size), compression batch x table width. Context lengths, budgets, policies and
-sampling options are values, so `warmup` can compile the whole grid and a steady workload never
-compiles again. Prompt log-probabilities are values too: each position's target token, -1 where
-none is asked (layers/prompt_logprobs.py), fetched with the step's tokens.
+prefill_row_size), compression batch x table width. A forward step is three programs (embed,
+a group of layers called once per group, head: engine/forward.py) and a compaction one
+program called per layer, so compile time does not grow with depth. Context lengths, budgets,
+policies and sampling options are values, so `warmup` can build the whole grid and a steady
+workload never compiles again; built programs persist in the executable store, so a restart
+loads them. While a warm-up still builds the grid, a step runs in the smallest ready bucket it
+fits (padding rows). Prompt log-probabilities are values too: each position's target token, -1
+where none is asked (layers/prompt_logprobs.py), fetched with the step's tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from pallas_kernels.tiling import next_power_of_two
@@ -38,6 +43,7 @@ from zipage_jax.compress.step import compress
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, CompressionPlan
 from zipage_jax.engine.executable_store import ExecutableStore, program_key, store_directory
+from zipage_jax.engine.forward import StagedForward, layers_per_group
 from zipage_jax.engine.pool_plan import KVPoolPlan
 from zipage_jax.engine.programs import CompiledSteps, ProgramRecord
 from zipage_jax.engine.sampling_batch import SamplingArrays, SamplingRow
@@ -45,10 +51,10 @@ from zipage_jax.engine.scheduler import Chunk
 from zipage_jax.engine.sequence import Sequence, query_tail_start
 from zipage_jax.engine.sharding import TensorParallel, shard_model
 from zipage_jax.layers.kv_cache import KVState
-from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn, uses_block_tables, xla_page_size
-from zipage_jax.layers.prompt_logprobs import PromptLogprobs, prompt_logprobs
-from zipage_jax.layers.sampler import SamplerOutput, SamplerState, SamplingBatch, record_inputs, sample
-from zipage_jax.models.decoder import DecoderFns, split
+from zipage_jax.layers.paged_attention import StepInputs, uses_block_tables, xla_page_size
+from zipage_jax.layers.prompt_logprobs import PromptLogprobs
+from zipage_jax.layers.sampler import SamplerOutput, SamplerState, record_inputs
+from zipage_jax.models.decoder import stages
 from zipage_jax.models.loading import LoadedModel
 from zipage_jax.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 
@@ -81,26 +87,6 @@ class GridProgram:
 class DeviceState(NamedTuple):
     kv: KVState
     sampler: SamplerState
-
-
-@functools.partial(jax.jit, static_argnames=("fns", "params_def", "backend", "tp"), donate_argnames=("state",))
-def _forward_and_sample(param_leaves: list[jax.Array], state: DeviceState, inputs: StepInputs,
-                        sampling: SamplingBatch, prompt_targets: jax.Array, *, fns: DecoderFns, params_def,
-                        backend: Backend, tp: TensorParallel | None
-                        ) -> tuple[DeviceState, SamplerOutput, PromptLogprobs]:
-    # prompt_targets: [R, C] i32, the prompt token each position predicts (-1: no prompt logprob)
-    # params travel as a flat list: flattening the nnx.State on every call costs host time
-    params = jax.tree.unflatten(params_def, param_leaves)
-    last_sampled = state.sampler.last_token[sampling.slot][:, None]  # [R, 1]
-    tokens = jnp.where(inputs.tokens >= 0, inputs.tokens, last_sampled)  # [R, C]
-    sampler = record_inputs(state.sampler, tokens, inputs.positions, inputs.kv_lens > 0, sampling.slot,
-                            sampling.num_prompt, sampling.reset)
-    attn = paged_attention_fn(inputs, backend, None if tp is None else tp.per_shard_decode)
-    hidden, kv = fns.forward(params, tokens, inputs.positions, attn, state.kv)
-    last = jnp.take_along_axis(hidden, inputs.last_index[:, None, None], axis=1)[:, 0]  # [R, E]
-    out, sampler = sample(fns.logits(params, last), sampling, sampler)
-    prompt = prompt_logprobs(lambda h: fns.logits(params, h), hidden, prompt_targets)
-    return DeviceState(kv if tp is None else tp.constrain_kv(kv), sampler), out, prompt
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("kv",))
@@ -186,10 +172,12 @@ class ModelRunner:
         self.config, self.pool = config, pool
         loaded, self.tp = shard_model(loaded, config.tensor_parallel_size)
         self.model_config = mc = loaded.config
-        self.fns, params = split(loaded.model)
+        model = loaded.model
         if self.tp is not None:
-            params = self.tp.place_params(params)
-        self.param_leaves, self.params_def = jax.tree.flatten(params)
+            graphdef, params = nnx.split(model)
+            model = nnx.merge(graphdef, self.tp.place_params(params))
+        self.params = nnx.state(model)  # as an nnx.State (the compiled steps take them per stage)
+        self.stages, stage_params = stages(model, layers_per_group(mc.num_layers))
         self.block_size = bs = pool.block_size
         self.query_cache_len = config.query_cache_len
         self.num_query_slots = pool.num_query_slots
@@ -215,8 +203,8 @@ class ModelRunner:
         self._state_future = _background(self._fresh_state)
         self.compression = config.compression
         store = self._executable_store(loaded)
-        self.forward = CompiledSteps("forward", _forward_and_sample, store, fns=self.fns, params_def=self.params_def,
-                                     backend=self.backend, tp=self.tp)
+        self.forward = StagedForward(self.stages, stage_params, store, backend=self.backend, tp=self.tp,
+                                     replicated=self._replicated(), hidden_dtype=loaded.model.dtype)
         self.compressor = CompiledSteps("compression", _compress, store, cfg=self.compression, backend=self.backend,
                                         tp=self.tp)
         self.seeder = CompiledSteps("history", _seed_history, store)
@@ -225,9 +213,9 @@ class ModelRunner:
 
     def _executable_store(self, loaded: LoadedModel) -> ExecutableStore | None:
         root = store_directory(self.config.compilation_cache_dir)
-        if root is None:
+        if root is None or jax.process_count() > 1:  # several processes: each compiles its own
             return None
-        shapes = [(tuple(x.shape), str(x.dtype)) for x in self.param_leaves]
+        shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(self.params)]
         key = program_key(self.config, loaded.config, shapes, jax.devices()[:self.config.tensor_parallel_size])
         return ExecutableStore(root / key)
 
@@ -247,11 +235,17 @@ class ModelRunner:
     def state(self, value: DeviceState) -> None:
         self._state = value
 
+    def _replicated(self):
+        """Where values every device holds whole live: the device, or replicated over the mesh."""
+        if self.tp is None:
+            return SingleDeviceSharding(jax.devices()[0])
+        return self.tp.replicated_shardings(0)
+
     def _abstract_state(self) -> DeviceState:
         """The device state's shapes, dtypes and placement (what compiling a step needs of it)."""
         shapes = jax.eval_shape(lambda: DeviceState(self._make_kv(), self._make_sampler()))
         if self.tp is None:
-            shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), shapes)
+            shardings = jax.tree.map(lambda _: self._replicated(), shapes)
         else:
             shardings = DeviceState(self.tp.kv_shardings(shapes.kv), self.tp.replicated_shardings(shapes.sampler))
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
@@ -266,19 +260,15 @@ class ModelRunner:
         self.state = self._fresh_state()
 
     @property
-    def params(self):
-        """The parameters as an nnx.State (the compiled steps take them flat)."""
-        return jax.tree.unflatten(self.params_def, self.param_leaves)
-
-    @property
     def records(self) -> list[ProgramRecord]:
         """How every ready program was built (compiled or loaded), with its seconds per stage."""
         return [r for steps in self.programs for r in list(steps.records.values())]
 
     @property
     def num_compiles(self) -> int:
-        """Programs ready: compiled here or loaded from the executable store."""
-        return sum(len(s.executables) for s in self.programs)
+        """Programs built: compiled here or loaded from the executable store (a forward step's
+        stages count one each)."""
+        return len(self.records)
 
     @property
     def compile_seconds(self) -> float:
@@ -421,10 +411,9 @@ class ModelRunner:
                 sampled.append(chunk)
                 out_rows.append(i - 1)
         step_inputs, batch = inputs.step_inputs(), sampling.batch()
-        # the program first: it loads or compiles while the device state may still be zeroed
-        self.forward.get(key, self.param_leaves, self.abstract_state, step_inputs, batch, inputs.prompt_targets)
-        self.state, outputs, prompt = self.forward(key, self.param_leaves, self.state, step_inputs, batch,
-                                                   inputs.prompt_targets)
+        # the programs first: they load or compile while the device state may still be zeroed
+        self.forward.get(key, self.abstract_state, step_inputs, batch, inputs.prompt_targets)
+        self.state, outputs, prompt = self.forward(key, self.state, step_inputs, batch, inputs.prompt_targets)
         return PendingBatch(sampled, out_rows, outputs, prompt_chunks, prompt)
 
     def _table_width(self, chunk_len: int) -> int:
@@ -515,8 +504,8 @@ class ModelRunner:
         """(key, *arguments) of the forward program for r rows of c tokens."""
         inputs = _InputArrays(r, c, self._table_width(c), 0)
         sampling = SamplingArrays(r, self.suppress_width, self.pad_slot, self.vocab_size)
-        return (("decode rows" if c == 1 else "prefill rows", r), self.param_leaves, self.abstract_state,
-                inputs.step_inputs(), sampling.batch(), inputs.prompt_targets)
+        return (("decode rows" if c == 1 else "prefill rows", r), self.abstract_state, inputs.step_inputs(),
+                sampling.batch(), inputs.prompt_targets)
 
     def _compile_compress(self, b: int, w: int) -> None:
         tables = np.zeros((b, w), np.int32)

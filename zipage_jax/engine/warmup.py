@@ -33,7 +33,7 @@ class WarmupStatus:
     total: int  # programs in the grid
     ready: int  # built so far (compiled or loaded)
     serving_ready: bool  # the serving set is built: every step can run without compiling
-    done: bool  # every program is built (or failed)
+    done: bool  # every program is built, failed, or skipped after `stop`
     seconds: float  # since the warm-up started (to the end once done)
     failed: int  # programs whose build raised (they compile again when a step needs them)
 
@@ -45,7 +45,7 @@ class Warmup:
         self._queue: queue.SimpleQueue[GridProgram | None] = queue.SimpleQueue()
         self._serving_left = sum(p.serving for p in grid)
         self._left = len(grid)
-        self._failed = 0
+        self._built = self._failed = 0
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
         self._started = self._ended = 0.0
@@ -68,16 +68,20 @@ class Warmup:
 
     def run(self, on_progress: Callable[[int], None] | None = None) -> "Warmup":
         """Builds the whole grid and returns when it is done; `on_progress(n)` as n more are built."""
-        self.start()
+        return self.start().wait(on_progress)
+
+    def wait(self, on_progress: Callable[[int], None] | None = None) -> "Warmup":
+        """Returns when every program of the started warm-up is built (or failed)."""
         reported = 0
         with self._progress:
-            while self._left:
-                self._progress.wait_for(lambda: len(self.grid) - self._left > reported)
-                built = len(self.grid) - self._left
-                if on_progress is not None:
-                    on_progress(built - reported)
-                reported = built
-        return self
+            while True:
+                done = len(self.grid) - self._left
+                if on_progress is not None and done > reported:
+                    on_progress(done - reported)
+                reported = done
+                if not self._left:
+                    return self
+                self._progress.wait()
 
     def wait_serving(self, timeout: float | None = None) -> bool:
         """Waits until the serving set is built; False on timeout."""
@@ -94,21 +98,23 @@ class Warmup:
     def status(self) -> WarmupStatus:
         with self._lock:
             end = self._ended or time.perf_counter()
-            return WarmupStatus(total=len(self.grid), ready=len(self.grid) - self._left - self._failed,
+            return WarmupStatus(total=len(self.grid), ready=self._built,
                                 serving_ready=self._serving_left == 0, done=self._left == 0,
                                 seconds=end - self._started if self._started else 0.0, failed=self._failed)
 
     def _work(self) -> None:
         while (program := self._queue.get()) is not None:
-            failed = False
+            built = failed = False
             if not self._stopping:
                 try:
                     program.build()
+                    built = True
                 except Exception:  # noqa: BLE001 - a step that needs it compiles it and fails there
                     logger.exception("warm-up: building the %s program %s failed", program.kind, program.key)
                     failed = True
             with self._progress:
                 self._left -= 1
+                self._built += built
                 self._failed += failed
                 self._serving_left -= program.serving
                 if self._left == 0:

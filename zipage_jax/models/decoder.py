@@ -12,12 +12,15 @@ Attention is delegated: each layer calls
 with q and k after q/k-norm and RoPE (at `positions`); out is [B, T, Hq, D] and the attn_fn
 applies the D**-0.5 softmax scale. The cache pytree passes through the decoder untouched.
 
-To run it as a pure jitted function (the engine's way):
+To run it as a pure jitted function:
     fns, state = split(model)
     step = jax.jit(fns.forward, static_argnames="attn_fn")
     hidden, cache = step(state, input_ids, positions, attn_fn=attn_fn, cache=cache)
     logits = jax.jit(fns.logits)(state, hidden[:, -1])
 Layers are unrolled in a Python loop: on CPU that runs faster than lax.scan over stacked layers.
+
+The engine runs it in stages (`stages`): embed, then groups of layers of one size (one program
+serves every group, so compile time does not grow with depth), then the final norm and LM head.
 """
 
 from __future__ import annotations
@@ -178,3 +181,84 @@ class DecoderFns:
 def split(model: Decoder) -> tuple[DecoderFns, nnx.State]:
     graphdef, state = nnx.split(model)
     return DecoderFns(graphdef), state
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """The decoder's parameters per stage, each a flat list of arrays (a jitted call flattens
+    its arguments every time: an nnx.State costs more host time than a list)."""
+
+    embed: list[jax.Array]  # the token embedding
+    groups: list[list[list[jax.Array]]]  # per group of layers, per layer
+    head: list[jax.Array]  # final norm, then the LM head (the embedding when tied)
+
+
+@dataclass(frozen=True, eq=False)
+class DecoderStages:
+    """The decoder as pure functions of stage parameters (see StageParams); static jit argument."""
+
+    cfg: ModelConfig
+    embed_def: nnx.GraphDef
+    layer_def: nnx.GraphDef
+    head_def: nnx.GraphDef  # a _Head
+    embed_tree: Any
+    layer_tree: Any
+    head_tree: Any
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.cfg, self.embed_def, self.layer_def, self.head_def)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, DecoderStages) and self._hash == other._hash and self.cfg == other.cfg
+                                 and (self.embed_def, self.layer_def, self.head_def)
+                                 == (other.embed_def, other.layer_def, other.head_def))
+
+    def embed(self, embed: list[jax.Array], input_ids: jax.Array) -> jax.Array:
+        """input_ids: [B, T] -> x [B, T, E]."""
+        return nnx.merge(self.embed_def, jax.tree.unflatten(self.embed_tree, embed))(input_ids)
+
+    def layers(self, group: list[list[jax.Array]], x: jax.Array, positions: jax.Array, attn_fn: AttnFn,
+               cache: Any) -> tuple[jax.Array, Any]:
+        """One group of layers; attn_fn sees them as layers 0 .. len(group) - 1 of `cache`."""
+        cfg = self.cfg
+        cos, sin = rope_cos_sin(positions, inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        for i, leaves in enumerate(group):
+            layer = nnx.merge(self.layer_def, jax.tree.unflatten(self.layer_tree, leaves))
+            x, cache = layer(i, x, cos, sin, attn_fn, cache)
+        return x, cache
+
+    def _head(self, head: list[jax.Array]) -> "_Head":
+        return nnx.merge(self.head_def, jax.tree.unflatten(self.head_tree, head))
+
+    def norm(self, head: list[jax.Array], x: jax.Array) -> jax.Array:
+        """x: [..., E] after the last layer -> the final norm's output."""
+        return self._head(head).norm(x)
+
+    def logits(self, head: list[jax.Array], hidden: jax.Array) -> jax.Array:
+        """hidden: [..., E] (normed) -> [..., V] float32."""
+        return self._head(head).lm_head.attend(hidden)
+
+
+class _Head(nnx.Module):
+    def __init__(self, norm: RMSNorm, lm_head: Embedding):
+        self.norm, self.lm_head = norm, lm_head
+
+
+def stages(model: Decoder, layers_per_group: int) -> tuple[DecoderStages, StageParams]:
+    """The decoder cut into stages, its layers in groups of `layers_per_group` (a divisor of the depth)."""
+    L = len(model.layers)
+    if L % layers_per_group:
+        raise ValueError(f"{layers_per_group} layers per group do not divide {L} layers")
+    embed_def, embed_state = nnx.split(model.embed_tokens)
+    head_def, head_state = nnx.split(_Head(model.norm, model.embed_tokens if model.lm_head is None else model.lm_head))
+    layer_splits = [nnx.split(layer) for layer in model.layers]
+    embed, embed_tree = jax.tree.flatten(embed_state)
+    head, head_tree = jax.tree.flatten(head_state)
+    flat = [jax.tree.flatten(state) for _, state in layer_splits]
+    layers = [leaves for leaves, _ in flat]
+    fns = DecoderStages(model.cfg, embed_def, layer_splits[0][0], head_def, embed_tree, flat[0][1], head_tree)
+    groups = [layers[i:i + layers_per_group] for i in range(0, L, layers_per_group)]
+    return fns, StageParams(embed, groups, head)

@@ -5,6 +5,8 @@
 
 The model loads in the engine thread once the app starts; until then /health answers 503, as it
 does while the engine rebuilds its device state after a failed step, and once it has failed.
+With `warmup`, the engine then builds its compiled programs in the background, the serving set
+first; /health, the generation and the tokenizer routes answer 503 until that set is ready.
 Request bodies are parsed, chat templates rendered and prompts tokenized in a Preprocessor
 thread, and outputs with log-probabilities formatted in the FormatThread, never on the event
 loop. Generation requests are admitted while the queue has room (admission.py); with an API
@@ -55,13 +57,16 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
                on_load_error: Callable[[BaseException], None] | None = None, *, max_n: int = MAX_N,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: RequestLimits | None = None,
                on_engine_error: Callable[[BaseException], None] | None = None,
-               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, api_key: str | None = None) -> FastAPI:
+               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, api_key: str | None = None,
+               warmup: bool = False) -> FastAPI:
     """`max_n` caps n (never above MAX_N, nor the engine's max_num_seqs); a body over
     `max_request_bytes` is answered 413 unread; `limits` bounds other counts (default:
     RequestLimits()); a generation request that would make more than `max_queued_requests`
     sequences wait is answered 503; with `api_key`, the /v1 and tokenizer routes need it;
-    `on_engine_error(exc)` runs (in the engine thread) once the engine can no longer serve.
-    Raises ValueError for a bad value."""
+    `on_engine_error(exc)` runs (in the engine thread) once the engine can no longer serve;
+    with `warmup`, the loaded engine builds its programs in the background
+    (`LLMEngine.start_warmup`) and the server is not ready until their serving set is, the
+    warm-up stopping when the server does. Raises ValueError for a bad value."""
     served = ServedModels(served_model_names)
     limits = limits or RequestLimits()
     if not 1 <= max_n <= MAX_N:
@@ -69,12 +74,12 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     key = None if api_key is None else ApiKey(api_key)
-    metrics = ServerMetrics(served.names[0], lambda: engine_loop.stats)
+    metrics = ServerMetrics(served.names[0], lambda: engine_loop.stats, lambda: engine_loop.warmup_status)
     admission = Admission(max_queued_requests, on_refused=lambda: metrics.refused("queue_full"))
     preprocessor = Preprocessor(limits)
     format_thread = FormatThread()
     engine_loop = EngineLoop(engine_factory, observer=metrics, on_load_error=on_load_error,
-                             on_loaded=preprocessor.prepare, on_engine_error=on_engine_error)
+                             on_loaded=preprocessor.prepare, on_engine_error=on_engine_error, warmup=warmup)
     version = _package_version()
 
     @asynccontextmanager
@@ -101,6 +106,10 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
                               else "the model failed to load (the server's log says why)")
         if engine_loop.engine.failed is not None:
             raise OpenAIError(503, "the engine failed and cannot serve (the server's log says why)")
+        status = engine_loop.warmup_status
+        if status is not None and not status.serving_ready:
+            raise OpenAIError(503, f"the server is warming up: {status.ready} of {status.total} programs ready; "
+                                   "it serves once the largest program of each kind is", code="warming_up")
         return engine_loop.engine
 
     def admit(body: SamplingFields) -> LLMEngine:

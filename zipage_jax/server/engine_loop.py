@@ -7,6 +7,10 @@ engine's to recover from (its requests go on); a step that raises anyway fails e
 flight, and the loop keeps serving, unless the engine says it failed for good (`engine.failed`):
 then `engine_error` is set and `on_engine_error` called (the server exits). The real errors go
 to the log, under the engine request ids (the HTTP request id followed by the prompt's index).
+
+With `warmup`, the engine thread starts the engine's background warm-up once the model has
+loaded (`LLMEngine.start_warmup`), and refreshes its stats snapshot while the programs build;
+`stop()` stops the warm-up (the programs being built finish, no other starts).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from zipage_jax.sampling_params import SamplingParams
 logger = logging.getLogger("zipage_jax.server")
 
 _FAILURE_BACKOFF_S = 0.05  # after a failed step, so a persistently broken engine does not spin
+_WARMUP_POLL_S = 0.2  # while the warm-up builds programs, an idle engine thread refreshes its stats this often
 
 
 class RequestFailed(Exception):
@@ -64,15 +69,21 @@ class EngineLoop:
     def __init__(self, factory: Callable[[], LLMEngine], observer: OutputObserver | None = None,
                  on_load_error: Callable[[BaseException], None] | None = None,
                  on_loaded: Callable[[LLMEngine], None] | None = None,
-                 on_engine_error: Callable[[BaseException], None] | None = None):
+                 on_engine_error: Callable[[BaseException], None] | None = None, warmup: bool = False):
         """`on_loaded(engine)` runs in the engine thread once the model has loaded, before
         `ready` is set (a failure there is a load failure); `on_engine_error(exc)` once the
-        engine has become unusable."""
+        engine has become unusable. With `warmup`, the engine's background warm-up starts right
+        after `on_loaded` (a failure to start it is a load failure too)."""
         self._factory = factory
         self._observer = observer
         self._on_load_error = on_load_error
         self._on_engine_error = on_engine_error
         self._on_loaded = on_loaded
+        self._start_warmup = warmup
+        self._warmup = None  # the engine's Warmup, once this loop started it
+        self._warmup_lock = threading.Lock()  # orders starting the warm-up against stop()
+        self._stopping = False
+        self._warmup_settled = True  # the stats snapshot counts every program the warm-up will build
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -92,9 +103,22 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stops the warm-up (waiting for the programs being built) and the engine thread."""
+        with self._warmup_lock:
+            self._stopping = True  # a model still loading starts no warm-up
+            warmup = self._warmup
+        if warmup is not None:
+            warmup.stop()
         if self._thread is not None:
             self._commands.put(_STOP)
             self._thread.join(timeout)
+
+    @property
+    def warmup_status(self):
+        """The engine's warm-up progress (its WarmupStatus), None before the model has loaded and
+        when no warm-up ran. Read from any thread."""
+        engine = self.engine if self.ready.is_set() else None
+        return None if engine is None else engine.warmup_status
 
     def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
             sink: asyncio.Queue) -> asyncio.Future:
@@ -115,6 +139,9 @@ class EngineLoop:
             self.tokenizer = copy.deepcopy(self.engine.tokenizer)
             if self._on_loaded is not None:
                 self._on_loaded(self.engine)
+            with self._warmup_lock:
+                if self._start_warmup and not self._stopping:
+                    self._warmup = self.engine.start_warmup()
         except BaseException as exc:
             logger.exception("loading the model failed")
             self.load_error = exc
@@ -129,9 +156,10 @@ class EngineLoop:
             self._snapshot()
 
     def _run_commands(self, block: bool) -> bool:
-        """Runs the queued commands (waiting for one if `block`); False once told to stop."""
+        """Runs the queued commands (waiting for one if `block`, a while at most during the
+        warm-up); False once told to stop."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=self._idle_timeout()) if block else self._commands.get_nowait()
             while True:
                 if command is _STOP:
                     return False
@@ -142,6 +170,11 @@ class EngineLoop:
                 command = self._commands.get_nowait()
         except queue.Empty:
             return True
+
+    def _idle_timeout(self) -> float | None:
+        """How long an idle engine thread waits for a command: a while during the warm-up (its
+        programs then show in the stats), else until one comes."""
+        return None if self._warmup_settled else _WARMUP_POLL_S
 
     def _add(self, command: _Add) -> None:
         if not command.done.set_running_or_notify_cancel():
@@ -207,7 +240,9 @@ class EngineLoop:
 
     def _snapshot(self) -> None:
         try:
+            settled = self._warmup is None or self._warmup.status.done  # read first: its programs are all counted
             self.stats = dataclasses.replace(self.engine.get_stats())
+            self._warmup_settled = settled
         except Exception:
             logger.exception("get_stats failed")
 

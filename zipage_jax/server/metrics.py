@@ -1,12 +1,14 @@
 """Prometheus metrics: vLLM's names where vLLM has one, `zipage:` for compression.
 
 Engine counters and gauges are read from the engine thread's latest stats snapshot at scrape
-time; latency histograms are observed by the engine thread as outputs arrive.
+time, the warm-up's progress from the engine's warm-up status; latency histograms are observed
+by the engine thread as outputs arrive.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,6 +35,8 @@ _GAUGES = (
     ("zipage:query_slots_total", "Query-cache slots in the engine.", "num_query_slots"),
     ("zipage:kv_free_blocks", "Free blocks in the KV-cache pool.", "num_free_blocks"),
     ("zipage:kv_total_blocks", "Usable blocks in the KV-cache pool.", "num_kv_blocks"),
+    ("zipage:programs_ready", "Programs built since the engine started, the warm-up's included: compiled, or "
+     "loaded from the executable store.", "num_compiles"),
 )
 _COUNTERS = (
     ("vllm:prompt_tokens", "Prefill tokens processed.", "prompt_tokens"),
@@ -43,13 +47,30 @@ _COUNTERS = (
     ("zipage:compressions", "KV-cache compressions run.", "num_compressions"),
     ("zipage:kv_tokens_evicted", "KV tokens evicted by compression.", "kv_tokens_evicted"),
     ("zipage:engine_recoveries", "Device-state rebuilds after a failed engine step.", "num_recoveries"),
+    ("zipage:compile_seconds", "Seconds spent building programs: tracing, lowering and compiling them, or "
+     "loading them from the executable store.", "compile_seconds"),
+    ("zipage:programs_loaded", "Programs loaded from the executable store (neither traced nor compiled).",
+     "num_programs_loaded"),
+)
+# (name, help, WarmupStatus field), all 0 when no warm-up ran
+_WARMUP = (
+    ("zipage:warmup_programs_total", "Programs in the warm-up's grid (0 without a warm-up).", "total"),
+    ("zipage:warmup_programs_ready", "Programs of the warm-up's grid built so far (a forward step of the grid may "
+     "count as several in zipage:programs_ready).", "ready"),
+    ("zipage:warmup_programs_failed", "Programs of the warm-up's grid whose build failed (a step that needs one "
+     "builds it then).", "failed"),
+    ("zipage:warmup_serving_ready", "1 once the warm-up has built its serving set (the largest program of "
+     "each kind): the server is ready; 0 while it builds, and without a warm-up.", "serving_ready"),
+    ("zipage:warmup_done", "1 once the warm-up has built its whole grid; 0 while it builds, and without a "
+     "warm-up.", "done"),
 )
 
 
 class _EngineCollector(Collector):
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None], warmup: Callable[[], Any]):
         self._model_name = model_name
         self._stats = stats
+        self._warmup = warmup
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
@@ -60,14 +81,22 @@ class _EngineCollector(Collector):
                 family = kind(name, doc, labels=["model_name"])
                 family.add_metric([self._model_name], getattr(stats, field))
                 yield family
+        status = self._warmup()
+        for name, doc, field in _WARMUP:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], 0 if status is None else float(getattr(status, field)))
+            yield family
 
 
 class ServerMetrics:
-    """The app's own registry (several apps may live in one process)."""
+    """The app's own registry (several apps may live in one process). `stats()`: the engine's
+    latest stats snapshot (None while loading); `warmup()`: its warm-up's WarmupStatus (None
+    without a warm-up)."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]):
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None],
+                 warmup: Callable[[], Any] = lambda: None):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(model_name, stats))
+        self.registry.register(_EngineCollector(model_name, stats, warmup))
         labels = ["model_name"]
         self._ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
                                buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)

@@ -195,7 +195,8 @@ _ERRORS = {
     413: "The request body is over the server's --max-request-bytes.",
     415: "The request body is not declared JSON (Content-Type: application/json or a +json type).",
     500: "The server failed; the message gives the request id, which the server's log line carries.",
-    503: "The model is still loading, or failed to load; or (generation, with Retry-After) the server's queue is "
+    503: "The model is still loading, failed to load, or is warming up (code warming_up: its compiled programs "
+         "are being built); or (generation, with Retry-After) the server's queue is "
          "full (--max-queued-requests).",
 }
 _REQUEST_ID = {REQUEST_ID_HEADER: {"description": "This request's id, as the server logs it.", "required": True,
