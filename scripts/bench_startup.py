@@ -31,10 +31,12 @@ Sections:
                trace/lower/compile seconds, the grid's size, the whole grid's build seconds
                extrapolated per kind, and the process's peak memory (no weights allocated).
 
-Runs are interleaved: current cold, baseline cold, current warm, baseline warm, ... The
-baseline is a `git worktree add --detach` of --baseline in a temporary directory (removed at
-the end), first on PYTHONPATH (its own scripts/serve_jax.py for the server); both trees run
-under this Python. "goals" holds each start-up goal's value, limit and whether it is met, for
+Runs are interleaved: current cold, baseline cold, current warm, baseline warm, ... "current"
+is a copy of this tree's zipage_jax, pallas_kernels and scripts taken at the start (untracked
+files included), so an edit during the run cannot turn a warm run cold (the executable store's
+key hashes the engine's source). The baseline is a `git worktree add --detach` of --baseline in
+a temporary directory (removed at the end). Each tree is first on PYTHONPATH (and runs its own
+scripts/serve_jax.py); both run under this Python. "goals" holds each start-up goal's value, limit and whether it is met, for
 both trees. --quick (tests): one warm run, a small engine (override with --option NAME=VALUE),
 8 streams of 4 tokens and a scaled-down Qwen3 shape; pass a tiny model with --model.
 With --json the last line of stdout is one JSON object (with "run": run_info()); progress lines
@@ -275,7 +277,8 @@ def summarize_records(records) -> dict:
 
 def summarize_compile_seconds(steps, num_compiles: int | None) -> dict:
     """A runner without records (the baseline): CompiledSteps' compile_seconds {key: seconds}
-    (lowering and compiling; XLA's persistent cache may have skipped the compile) per kind."""
+    (jit's lower, tracing included, and compile; XLA's persistent cache may have skipped the
+    compile) per kind."""
     by_kind: dict[str, dict] = {}
     for s in steps:
         for key, seconds in dict(getattr(s, "compile_seconds", None) or {}).items():
@@ -284,7 +287,7 @@ def summarize_compile_seconds(steps, num_compiles: int | None) -> dict:
                                       "lower_s": None, "compile_s": None, "load_s": None, "total_s": 0.0})
             row["programs"] += 1
             row["total_s"] += float(seconds)
-    return {"source": "compile_seconds (lower + compile per program; no per-stage timing, no origin)",
+    return {"source": "compile_seconds (trace + lower + compile per program; no per-stage timing, no origin)",
             "total": num_compiles, "compiled": None, "loaded": None,
             "seconds": sum(r["total_s"] for r in by_kind.values()), "by_kind": by_kind}
 
@@ -455,7 +458,7 @@ def _grid_entry(program) -> tuple[str, tuple, object]:
 
 def _program_seconds(runner, key: tuple) -> dict:
     """Trace/lower/compile seconds of one grid key (summed over its stages' programs), from the
-    runner's records; for a runner without records its lower + compile seconds."""
+    runner's records; for a runner without records its trace + lower + compile seconds."""
     records = getattr(runner, "records", None)
     if records is not None:
         mine = [r for r in records if tuple(r.key) == key]
@@ -469,7 +472,7 @@ def _program_seconds(runner, key: tuple) -> dict:
     for steps in (getattr(runner, n, None) for n in ("forward", "compressor", "seeder")):
         seconds = dict(getattr(steps, "compile_seconds", None) or {})
         if key in seconds:
-            return {"trace_s": None, "lower_s": None, "compile_s": None, "lower_and_compile_s": seconds[key]}
+            return {"trace_s": None, "lower_s": None, "compile_s": None, "trace_lower_compile_s": seconds[key]}
     return {}
 
 
@@ -578,6 +581,13 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def _fmt(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _programs_line(run: dict) -> str:
+    if run.get("programs_compiled") is None:
+        return f"programs {run.get('programs_total')} (origin not recorded)"
+    return (f"programs {run.get('programs_total')}: compiled {run['programs_compiled']}, "
+            f"loaded {run.get('programs_loaded')}")
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 30.0) -> dict:
@@ -716,8 +726,7 @@ class Bench:
             self._error_fields(run, r)
             _say(f"first_token {tree.name:8s} {label:5s}: first token at {_fmt(run['first_token_at_s'])} s "
                  f"(imports {_fmt(run.get('import_s'))} s, engine {_fmt(run.get('engine_construction_s'))} s; "
-                 f"programs {run['programs_total']}: compiled {run['programs_compiled']}, "
-                 f"loaded {run['programs_loaded']})")
+                 f"{_programs_line(run)})")
             return run
 
         return {"prompt": PROMPT, "max_tokens": FIRST_TOKEN_MAX_TOKENS, "options": self.options,
@@ -741,8 +750,7 @@ class Bench:
                        zipage_jax=r.get("zipage_jax"))
             self._error_fields(run, r)
             _say(f"warmup      {tree.name:8s} {label:5s}: warmed at {_fmt(run['ready_at_s'])} s "
-                 f"(grid {run['grid_programs']}; programs {run['programs_total']}: compiled "
-                 f"{run['programs_compiled']}, loaded {run['programs_loaded']}; build {_fmt(run['build_seconds'])} s)")
+                 f"(grid {run['grid_programs']}; {_programs_line(run)}; build {_fmt(run['build_seconds'])} s)")
             return run
 
         return {"options": {**self.options, "warmup": True}, **self.interleaved("warmup", measure)}
@@ -1071,9 +1079,10 @@ def main(argv: list[str] | None = None) -> int:
             remove_worktree(baseline_path)
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
+    verdicts = {True: "met", False: "not met", None: "not measured"}
     for name, goal in summary["goals"].items():
         _say(f"goal {name} <= {goal['goal']:g} s: " + ", ".join(
-            f"{tree} {_fmt(goal[tree]['value'])} s ({'met' if goal[tree]['met'] else 'not met' if goal[tree]['met'] is False else 'not measured'})"
+            f"{tree} {_fmt(goal[tree]['value'])} s ({verdicts[goal[tree]['met']]})"
             for tree in ("current", "baseline") if goal[tree] is not None))
     summary["run"] = run_info()
     print(json.dumps(summary, default=str) if args.json else json.dumps(summary, indent=2, default=str))

@@ -45,6 +45,9 @@ _LIMITS_HELP = {
     "max_chat_bytes": "bytes of text in one chat request's messages (and in /tokenize's chat form): every string "
                       "field of every message, plus 32 per message, counted before the template renders them",
 }
+_WARMUP_HELP = ("build every compiled program in the background once the model has loaded, the largest of each "
+                "kind first; /health, generation and tokenizer routes answer 503 until those are ready (default: "
+                "on; --no-warmup: serve at once, compiling programs when the first requests need them)")
 _LIMITS_DEFAULT = {f.name: f.default for f in dataclasses.fields(RequestLimits)}
 
 
@@ -74,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the key clients must send as `Authorization: Bearer KEY` to the /v1 and tokenizer "
                              "routes (/health, /metrics, /version, /openapi.json and /docs stay open); default: "
                              f"${KEY_VARIABLES[0]}, else ${KEY_VARIABLES[1]}, else none (no key needed)")
-    add_engine_arguments(parser)
-    _server_warmup_help(parser)
+    add_engine_arguments(parser, help={"warmup": _WARMUP_HELP})
     add_distributed_arguments(parser)
     args = parser.parse_args(argv)
     if (args.num_processes or 1) > 1:
@@ -105,18 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     server.run()
     engine_loop = app.state.engine_loop
     return 1 if engine_loop.load_error is not None or engine_loop.engine_error is not None else 0
-
-
-def _server_warmup_help(parser: argparse.ArgumentParser) -> None:
-    """--warmup/--no-warmup as the server reads it (on unless --no-warmup)."""
-    for action in parser._actions:
-        if action.dest == "warmup":
-            action.help = ("build every compiled program in the background once the model has loaded, the largest "
-                           "of each kind first; /health, generation and tokenizer routes answer 503 until those "
-                           "are ready (default: on; --no-warmup: serve at once, compiling programs when the first "
-                           "requests need them)")
-            return
-    raise AssertionError("the engine flags have no --warmup")
 
 
 if __name__ == "__main__":

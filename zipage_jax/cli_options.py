@@ -8,14 +8,16 @@ import typing
 from zipage_jax.config import option_fields
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One --flag per engine option (--max-cache-blocks-per-seq, --kvcache-block-size, ...)."""
+def add_engine_arguments(parser: argparse.ArgumentParser, help: dict[str, str] | None = None) -> None:
+    """One --flag per engine option (--max-cache-blocks-per-seq, --kvcache-block-size, ...);
+    `help`: text for some of them, by option name."""
+    help = help or {}
     for name, kind in option_fields():
         flag = "--" + name.replace("_", "-")
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help.get(name))
         else:
-            parser.add_argument(flag, type=_parser_for(kind), default=None, metavar=name.upper())
+            parser.add_argument(flag, type=_parser_for(kind), default=None, metavar=name.upper(), help=help.get(name))
 
 
 def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:

@@ -25,14 +25,6 @@ import compact_cases  # noqa: E402
 import plot_results  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tiny_model_factory, model_cache_dir):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
-    yield str(tiny_model_factory("llama"))
-    mp.undo()
-
-
 def last_json(text: str) -> dict:
     return json.loads(text.strip().splitlines()[-1])
 
