@@ -116,3 +116,24 @@ def test_serving_ready_comes_before_the_rest_and_stop_builds_no_more():
     assert warmup.wait_serving(timeout=10) and built[0][0] == "serve"
     warmup.stop()
     assert warmup.status.done and warmup.status.ready == len(built) < len(grid)
+
+
+def test_the_warmup_yields_to_requests_past_the_serving_set(monkeypatch):
+    from zipage_jax.engine import warmup as warmup_module
+
+    built, busy = [], threading.Event()
+    busy.set()
+    grid = _programs([("serve", True), ("small", False)], built)
+    warmup = Warmup(grid, workers=1, busy=busy.is_set).start()
+    assert warmup.wait_serving(timeout=10)
+    time.sleep(0.3)
+    assert [n for n, _ in built] == ["serve"]  # the engine is busy: nothing more starts
+    busy.clear()
+    warmup.wait()
+    assert [n for n, _ in built] == ["serve", "small"]
+
+    monkeypatch.setattr(warmup_module, "MAX_YIELD_S", 0.2)
+    built.clear()
+    busy.set()  # never idle: it waits MAX_YIELD_S, then builds anyway
+    Warmup(_programs([("small", False)], built), workers=1, busy=busy.is_set).run()
+    assert [n for n, _ in built] == ["small"]

@@ -96,8 +96,10 @@ class LLMEngine:
 
     def start_warmup(self) -> Warmup:
         """Builds the grid in the background, the serving set first (`warmup_status`): steps run
-        meanwhile, padded up to the nearest ready bucket, or compiling the one they need."""
-        self._warmup = Warmup(self.runner.step_grid()).start()
+        meanwhile, padded up to the nearest ready bucket, or compiling the one they need. Past
+        the serving set it starts no program while requests run (warmup.MAX_YIELD_S at most)."""
+        # `requests` holds every request not yet finished; reading its size is safe from a worker thread
+        self._warmup = Warmup(self.runner.step_grid(), busy=lambda: bool(self.requests)).start()
         return self._warmup
 
     @property

@@ -3,7 +3,10 @@
 XLA compiles outside the GIL, so programs compile side by side (tracing and lowering take
 turns). The grid's serving set (the largest bucket of each kind) comes first: once it is ready
 every step can run, padded up to the nearest ready bucket, while the rest compile behind it.
-Run it to the end (`run`) or in the background (`start`), as the server does.
+Run it to the end (`run`) or in the background (`start`), as the server does. In the
+background it yields to requests: while `busy()` it starts no new program (those being built
+finish) for up to MAX_YIELD_S per program, so the first requests of a just-started server run
+without competing with compiles, and a server that is never idle still completes its grid.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from zipage_jax.engine.runner import GridProgram
 logger = logging.getLogger("zipage_jax")
 
 MAX_WORKERS = 8
+MAX_YIELD_S = 30.0  # the longest a worker waits for the engine to be idle before its next program
+_POLL_S = 0.05
 
 
 def default_workers() -> int:
@@ -39,9 +44,11 @@ class WarmupStatus:
 
 
 class Warmup:
-    def __init__(self, grid: list[GridProgram], workers: int | None = None):
+    def __init__(self, grid: list[GridProgram], workers: int | None = None,
+                 busy: Callable[[], bool] = lambda: False):
         self.grid = grid
         self.workers = workers or default_workers()
+        self._busy = busy
         self._queue: queue.SimpleQueue[GridProgram | None] = queue.SimpleQueue()
         self._serving_left = sum(p.serving for p in grid)
         self._left = len(grid)
@@ -102,9 +109,16 @@ class Warmup:
                                 serving_ready=self._serving_left == 0, done=self._left == 0,
                                 seconds=end - self._started if self._started else 0.0, failed=self._failed)
 
+    def _yield_to_requests(self) -> None:
+        deadline = time.monotonic() + MAX_YIELD_S
+        while not self._stopping and time.monotonic() < deadline and self._busy():
+            time.sleep(_POLL_S)
+
     def _work(self) -> None:
         while (program := self._queue.get()) is not None:
             built = failed = False
+            if not program.serving:
+                self._yield_to_requests()
             if not self._stopping:
                 try:
                     program.build()
