@@ -244,13 +244,13 @@ class TimedRun(EngineRun):
 
     def step(self) -> None:
         runner = self.engine.runner
-        before, before_compress = runner.compile_seconds, sum(runner.compressor.compile_seconds.values())
+        before, before_compress = runner.compile_seconds, runner.compressor.seconds
         start = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
         compiled = runner.compile_seconds - before
         self.compile_seconds += compiled
-        self.compress_compile_seconds += sum(runner.compressor.compile_seconds.values()) - before_compress
+        self.compress_compile_seconds += runner.compressor.seconds - before_compress
         self.seconds += max(0.0, elapsed - compiled)
         for out in outputs:
             if out.finished:

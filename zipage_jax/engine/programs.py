@@ -43,6 +43,11 @@ class CompiledSteps:
         self._building: dict[tuple, Future] = {}
         self._lock = threading.Lock()
 
+    @property
+    def seconds(self) -> float:
+        """Seconds spent building this function's programs (tracing, lowering, compiling, loading)."""
+        return sum(r.seconds for r in list(self.records.values()))
+
     def __call__(self, key: tuple, *args):
         return self.get(key, *args)(*args)
 
