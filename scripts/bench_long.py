@@ -90,7 +90,7 @@ Presets (--preset, --quick = --preset quick; flags override their fields):
               holds full KV, 1 repeat (on a CPU the 135M model's matmuls hide attention)
   quick       2 requests x 2,048 tokens, block 64, budget 256, a pool of 35 blocks in which full
               KV holds both requests up to about 1,000 tokens each and one after that (about 10
-              minutes on the 2-core CPU with the default model, the compilation cache warm)
+              minutes on the 2-core CPU with the default model, its programs already compiled)
   default     the mission's workload: 32 requests x 4,096 tokens (a GPU run; hours on a CPU)
 """
 

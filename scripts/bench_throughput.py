@@ -36,7 +36,7 @@ concurrency (mean / peak running) side by side, and the quantized / default rati
 
 The default preset is 32 concurrent long generations (20-30 minutes on a 2-core CPU,
 a few on a GPU); `--quick` is a scaled-down one (6 requests, about 4 minutes on 2 busy cores
-once the persistent compilation cache is warm; the first run on a machine compiles longer). The last line of `--json`
+once its programs are in the executable store; the first run on a machine compiles them). The last line of `--json`
 is one JSON object: throughput_full, throughput_zipage, speedup, compress_time_share, the
 per-run figures under "full" / "zipage" (every run under "runs"), the pool and the workload.
 
