@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
