@@ -99,6 +99,10 @@ class StagedForward:
         return {(steps.name, *key): r for steps in (self.embed, self.layers, self.head)
                 for key, r in list(steps.records.items())}
 
+    @property
+    def num_built(self) -> int:
+        return self.embed.num_built + self.layers.num_built + self.head.num_built
+
     def ready(self, key: tuple) -> bool:
         return key in self.executables
 

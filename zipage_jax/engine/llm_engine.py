@@ -291,10 +291,9 @@ class LLMEngine:
         s.seqs_at_budget = sch.num_at_budget()
         s.query_slots_in_use = sch.query_slots.in_use
         s.num_free_blocks = bm.num_free_blocks
-        records = self.runner.records
-        s.num_compiles = len(records)
-        s.num_programs_loaded = sum(r.origin == "loaded" for r in records)
-        s.compile_seconds = sum(r.seconds for r in records)
+        s.num_compiles = self.runner.num_compiles
+        s.num_programs_loaded = sum(r.origin == "loaded" for r in self.runner.records)
+        s.compile_seconds = self.runner.compile_seconds
         return s
 
     def log_line(self) -> str:

@@ -44,6 +44,10 @@ class CompiledSteps:
         self._lock = threading.Lock()
 
     @property
+    def num_built(self) -> int:
+        return len(self.records)
+
+    @property
     def seconds(self) -> float:
         """Seconds spent building this function's programs (tracing, lowering, compiling, loading)."""
         return sum(r.seconds for r in list(self.records.values()))

@@ -268,7 +268,7 @@ class ModelRunner:
     def num_compiles(self) -> int:
         """Programs built: compiled here or loaded from the executable store (a forward step's
         stages count one each)."""
-        return len(self.records)
+        return sum(steps.num_built for steps in self.programs)  # every step reads it: no list built
 
     @property
     def compile_seconds(self) -> float:
