@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compress_cases import CaseConfig, scoring, NUM_KV_HEADS, compress_args, make_case, score_case, spec_scores
+from compress_cases import HEAD_DIM, NUM_KV_HEADS, CaseConfig, scoring, compress_args, make_case, score_case, spec_scores
 from zipage_jax.compress.step import compress
 from zipage_jax.config import EngineConfig
 
@@ -20,7 +20,58 @@ CASES = {  # (config, query heads per kv head)
     "window_lightning": (CaseConfig(budget_blocks=2, block_size=32, query_cache_len=8, recent_fraction=0.0, eviction_policy="window", scoring=scoring(redundancy="lightning")), 1),
     "vnorm_window": (CaseConfig(
         budget_blocks=2, block_size=16, query_cache_len=8, recent_fraction=0.3, eviction_policy="vnorm-window"), 2),
+    "rkv": (CaseConfig(budget_blocks=2, block_size=16, query_cache_len=8, recent_fraction=0.25, eviction_policy="rkv"), 2),
+    "rkv_global": (CaseConfig(budget_blocks=3, block_size=16, query_cache_len=4, recent_fraction=0.5,
+                              eviction_policy="rkv", scoring=scoring(use_global_score=True)), 1),
+    "triattention": (CaseConfig(
+        budget_blocks=2, block_size=16, query_cache_len=8, recent_fraction=0.25, eviction_policy="triattention"), 2),
+    "triattention_gqa3": (CaseConfig(
+        budget_blocks=3, block_size=16, query_cache_len=4, recent_fraction=0.5, eviction_policy="triattention"), 3),
 }
+
+
+def _numpy_rkv(attn: np.ndarray, redundancy: np.ndarray) -> np.ndarray:
+    """R-KV's score from its paper: lambda * importance - (1 - lambda) * redundancy, importance
+    normalised to a distribution over the tokens, lambda = 0.1. attn, redundancy: [Hkv, T]."""
+    return 0.1 * attn / attn.sum(axis=1, keepdims=True) - 0.9 * redundancy
+
+
+def _numpy_future(case, cfg, b, n) -> np.ndarray:
+    """Predicted attention of future queries [Hkv, T], derived with absolute positions: every
+    cached query is un-rotated to its pre-RoPE vector (query i at position T - QL + i), the
+    centre is their mean, and a query at position T - 1 + d is the centre rotated to it."""
+    t_len, ql = n * cfg.block_size, cfg.query_cache_len
+    keys = case.k_pool[case.block_tables[b, :n]].astype(np.float64).reshape(t_len, NUM_KV_HEADS, HEAD_DIM)
+    queries = case.query_cache[case.query_ids[b]].astype(np.float64)  # [QL, Hq, D]
+    group = queries.shape[1] // NUM_KV_HEADS
+    inv_freq = 1.0 / 10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+    half = HEAD_DIM // 2
+
+    def rotation(position):  # [D, D]: RoPE at `position`, rotate_half layout
+        r = np.zeros((HEAD_DIM, HEAD_DIM))
+        for f, w in enumerate(inv_freq):
+            c, s = np.cos(position * w), np.sin(position * w)
+            r[f, f], r[f, f + half], r[f + half, f], r[f + half, f + half] = c, -s, s, c
+        return r
+
+    def pairs(x):
+        return np.hypot(x[..., :half], x[..., half:])
+
+    score = np.zeros((NUM_KV_HEADS, t_len))
+    for h in range(NUM_KV_HEADS):
+        best = np.zeros((13, t_len))
+        for g in range(group):
+            q = queries[:, h * group + g]  # [QL, D]
+            pre = np.stack([rotation(-(t_len - ql + i)) @ q[i] for i in range(ql)])
+            centre = pre.mean(axis=0)
+            spread = pairs(q).mean(axis=0) - pairs(centre)
+            for m in range(13):
+                future = rotation(t_len - 1 + 2**m) @ centre
+                s = (keys[:, h] @ future + pairs(keys[:, h]) @ spread) * HEAD_DIM**-0.5
+                p = np.exp(s - s.max())
+                best[m] = np.maximum(best[m], p / p.sum())
+        score[h] = best.mean(axis=0)
+    return score
 
 
 def _numpy_policy(case, cfg, b, n):
@@ -29,7 +80,15 @@ def _numpy_policy(case, cfg, b, n):
     reference = dataclasses.replace(cfg, eviction_policy="zipage", sink_len=0)
     blocks = case.block_tables[b, :n]
     t_len = n * cfg.block_size
-    if cfg.eviction_policy == "vnorm-window":
+    if cfg.eviction_policy == "triattention":
+        assert not cfg.scoring.use_global_score
+        score = _numpy_future(case, cfg, b, n)
+    elif cfg.eviction_policy == "rkv":
+        spec = spec_scores(case, reference)
+        red = spec_scores(case, dataclasses.replace(reference, scoring=dataclasses.replace(
+            cfg.scoring, redundancy="raw"))).redundancy[b]
+        score = _numpy_rkv(next(s[b] for s in (spec.global_score, spec.attn) if s[b] is not None), red)
+    elif cfg.eviction_policy == "vnorm-window":
         # the weighting comes before every other stage: only the attention-only pipeline is checked
         assert not (cfg.scoring.use_global_score or cfg.scoring.enable_pooling or cfg.scoring.redundancy != "none")
         values = case.v_pool[blocks].astype(np.float64).reshape(t_len, NUM_KV_HEADS, -1)
@@ -79,7 +138,7 @@ def test_window_keeps_the_recent_share_of_the_budget():
         assert keep[:, :4].all() and keep[:, -cfg.budget_tokens // 2:].all()
 
 
-@pytest.mark.parametrize("policy", ["window", "vnorm-window"])
+@pytest.mark.parametrize("policy", ["window", "vnorm-window", "rkv", "triattention"])
 def test_compress_pallas_matches_xla(policy):
     cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, eviction_policy=policy, scoring=scoring(use_global_score=True, enable_pooling=True))
     case = make_case(7, cfg, 2)
@@ -93,8 +152,8 @@ def test_compress_pallas_matches_xla(policy):
 def test_mixed_policies_and_budgets_in_one_batch_match_each_alone():
     # one compiled step: every row keeps what a batch of its own policy and budget keeps
     base = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, scoring=scoring(use_global_score=True))
-    case = make_case(9, base, 2, extra_blocks=(0, 1, 2, 2), compressed=(False, True, False, True))
-    settings = [("zipage", 2), ("window", 1), ("vnorm-window", 2), ("streaming", 3)]
+    case = make_case(9, base, 2, extra_blocks=(0, 1, 2, 2, 1, 0), compressed=(False, True, False, True, True, False))
+    settings = [("zipage", 2), ("window", 1), ("vnorm-window", 2), ("streaming", 3), ("rkv", 2), ("triattention", 2)]
     alone = []
     for b, (policy, budget) in enumerate(settings):
         cfg = dataclasses.replace(base, eviction_policy=policy, budget_blocks=budget)

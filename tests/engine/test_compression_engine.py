@@ -70,6 +70,23 @@ def test_per_request_eviction_policy_matches_an_engine_with_that_policy(llm):
     assert streamed[0]["token_ids"] != streamed[1]["token_ids"]  # the policies do differ here
 
 
+def test_new_policies_compress_with_the_models_rope(llm):
+    from zipage_jax.layers.rotary import inv_frequencies
+
+    mc = llm.engine.loaded.config
+    rope = llm.engine.runner.compressor.static["rope"]
+    assert rope == tuple(float(f) for f in inv_frequencies(mc.head_dim, mc.rope_theta, mc.rope_scaling))
+    assert rope != tuple(float(f) for f in inv_frequencies(mc.head_dim, 10000.0))  # SmolLM2: theta 100,000
+    budget = 2 * BS
+    params = [SamplingParams(temperature=0, max_tokens=90, ignore_eos=True, kv_budget=budget, eviction_policy=p)
+              for p in ("rkv", "triattention", "window")]
+    outs = llm.generate([PROMPTS[1]] * 3, params, use_tqdm=False)
+    full = llm.generate([PROMPTS[1]], greedy(90, kv_budget=0), use_tqdm=False)[0]["token_ids"]
+    tokens = [o["token_ids"] for o in outs]
+    assert all(len(t) == 90 for t in tokens)
+    assert len({tuple(t) for t in tokens}) == 3 and all(t != full for t in tokens)  # each policy evicts its own way
+
+
 def test_forced_tokens_are_decoded_through_compression(llm):
     """Teacher forcing the tokens greedy decoding chose reproduces its tokens and log-probabilities,
     compactions included; then generation goes on greedily from there."""

@@ -31,6 +31,9 @@ def mixed_workload(llm: LLM) -> list[list[int]]:
          (long[:17], SamplingParams(temperature=0, max_tokens=25, min_tokens=20, stop_token_ids=[2, 5],
                                     forced_token_ids=[10, 11, 12], eviction_policy="window")),
          ([1] * 33, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, eviction_policy="vnorm-window")),
+         (long[:50], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, eviction_policy="rkv", kv_budget=32)),
+         (long[:45], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, eviction_policy="triattention",
+                                    kv_budget=32)),
          ([8, 9], SamplingParams(n=2, temperature=0.9, seed=4, max_tokens=10))],
     ]
     outputs = []

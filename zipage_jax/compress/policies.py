@@ -25,7 +25,17 @@ A request's policy, options and budget are resolved once, when it is admitted, i
   the next tokens depend on most. The share was chosen on the dev texts (docs/RESULTS.md).
 - "vnorm-window": "window" with each token's attention score multiplied by the L2 norm of its
   value (VATP: Guo et al., EMNLP 2024): a token adds attention * value to the output, so a
-  heavily attended token with a small value (sinks, punctuation) matters less. The default.
+  heavily attended token with a small value (sinks, punctuation) matters less.
+- "rkv": R-KV (Cai et al., arXiv 2505.24133): importance minus redundancy,
+  `lambda * attention - (1 - lambda) * redundancy` with lambda = 0.1, both normalised over the
+  sequence; a key's redundancy is the softmax of its cosine similarity to the other keys (the
+  reference's "raw" redundancy stage), so of several near-copies (repeated reasoning steps)
+  only some are kept. 4 sinks and a protected recent window.
+- "triattention": TriAttention-style (Mao et al., arXiv 2604.04921; `compress/future.py`): the
+  attention that future queries 1 to 4096 tokens ahead are predicted to give each key, from the
+  RoPE-rotated centre of the cached queries, so a key is judged by where the head's queries
+  point, not only by what the last 16 queries looked at. 4 sinks and a protected recent window.
+The default is the winner on held-out data at 1/8 of the bf16 memory (docs/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -43,6 +53,11 @@ class Score(enum.IntEnum):
     ATTENTION = 0  # attention of the cached queries, then the engine's global / pooling / redundancy stages
     VALUE_NORM = 1  # the same with the attention multiplied by each value's L2 norm first
     POSITION = 2  # later tokens score higher (no attention computed for the row)
+    REDUNDANCY = 3  # R-KV: RKV_LAMBDA * attention - (1 - RKV_LAMBDA) * key redundancy
+    FUTURE = 4  # predicted attention of future queries (compress/future.py), not the observed one
+
+
+RKV_LAMBDA = 0.1  # R-KV's weight of importance against redundancy
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,8 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("streaming", Score.POSITION, PolicyOptions(sinks=4, recent_fraction=0.0)),
     Policy("window", Score.ATTENTION, PolicyOptions(sinks=4, recent_fraction=0.75)),
     Policy("vnorm-window", Score.VALUE_NORM, PolicyOptions(sinks=4, recent_fraction=0.75)),
+    Policy("rkv", Score.REDUNDANCY, PolicyOptions(sinks=4, recent_fraction=0.5)),
+    Policy("triattention", Score.FUTURE, PolicyOptions(sinks=4, recent_fraction=0.5)),
 )}
 DEFAULT_POLICY = "vnorm-window"  # best on code and reasoning (docs/RESULTS.md); "zipage" = reference
 

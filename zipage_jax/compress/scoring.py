@@ -9,6 +9,7 @@ compiled step compresses any mix of policies and budgets.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -18,7 +19,8 @@ from jax import lax
 from pallas_kernels.attention_score import attention_score, attention_score_reference
 from zipage_jax.backend import Backend
 from zipage_jax.compress.config import CompressionConfig
-from zipage_jax.compress.policies import CompressRows, Score
+from zipage_jax.compress.future import future_attention, rope_inv_freq
+from zipage_jax.compress.policies import RKV_LAMBDA, CompressRows, Score
 
 
 class ScoreStages(NamedTuple):
@@ -27,7 +29,7 @@ class ScoreStages(NamedTuple):
     attn: jax.Array  # step 1 (padding 0; 0 for rows scored by position)
     global_score: jax.Array | None  # max_norm + step 2
     pooled: jax.Array | None  # step 3
-    redundancy: jax.Array | None  # step 4, softmaxed (and max-normed), before combining
+    redundancy: jax.Array | None  # step 4 (the engine's redundancy option), softmaxed (and max-normed), before combining
     final: jax.Array  # input of top-k, with +inf / -inf
     keep: jax.Array  # bool, rows.budget per valid (seq, head), none on padding rows
 
@@ -44,6 +46,7 @@ def score_layer(
     cfg: CompressionConfig,
     backend: Backend = Backend.XLA,
     cache_tables: jax.Array | None = None,
+    rope: tuple[float, ...] = (),
 ) -> tuple[ScoreStages, jax.Array | None]:
     """Scores one layer's tokens and picks the kept ones.
 
@@ -57,6 +60,8 @@ def score_layer(
       rows: per-row budget (tokens kept), protected sinks and recent tokens, and Score.
       cache_tables: [B, W] the score cache's blocks when the pools are a gathered copy with tables
         of their own (quantized pools); default block_tables.
+      rope: the model's RoPE inverse frequencies [D/2] for rows scored by Score.FUTURE (empty:
+        RoPE with theta 10,000).
 
     Returns:
       (stages, score_cache): the score cache with the new global score written into every
@@ -66,6 +71,8 @@ def score_layer(
     width, block_size = block_tables.shape[1], k_pool.shape[1]
     valid = _valid(num_blocks, width, block_size)
     by_position = rows.score == Score.POSITION  # [B]
+    future_rows = rows.score == Score.FUTURE
+    per_row = lambda mask: mask[:, None, None, None]
 
     def attention():
         if not backend.uses_pallas:
@@ -73,10 +80,14 @@ def score_layer(
         return attention_score(k_pool, queries, block_tables, num_blocks, interpret=backend.interpret)
 
     shape = (block_tables.shape[0], k_pool.shape[2], width, block_size)
-    attn = lax.cond(jnp.all(by_position), lambda: jnp.zeros(shape, jnp.float32), attention)
+    attn = lax.cond(jnp.all(by_position | future_rows), lambda: jnp.zeros(shape, jnp.float32), attention)
     weighted = rows.score == Score.VALUE_NORM
     scores = lax.cond(jnp.any(weighted), lambda: jnp.where(
-        weighted[:, None, None, None], attn * value_norm(v_pool, block_tables), attn), lambda: attn)
+        per_row(weighted), attn * value_norm(v_pool, block_tables), attn), lambda: attn)
+    inv_freq = rope_inv_freq(k_pool.shape[-1], rope)
+    scores = lax.cond(jnp.any(future_rows), lambda: jnp.where(
+        per_row(future_rows), future_attention(k_pool[block_tables], queries, valid, inv_freq), scores),
+        lambda: scores)
     global_, pooled, red = None, None, None
     if cfg.use_global_score:
         scores, score_cache = global_score(scores, score_cache, block_tables if cache_tables is None else cache_tables,
@@ -89,11 +100,25 @@ def score_layer(
         if cfg.use_global_score and cfg.max_norm:
             red = _max_normed(red)
         scores = scores * cfg.redundancy_lambda - red * (1 - cfg.redundancy_lambda)
+    rkv = rows.score == Score.REDUNDANCY
+    scores = lax.cond(jnp.any(rkv), lambda: jnp.where(per_row(rkv), redundancy_aware(
+        scores, redundancy(k_pool, block_tables, num_blocks, dataclasses.replace(cfg, redundancy="raw")), valid),
+        scores), lambda: scores)
     pos = jnp.arange(width * block_size, dtype=jnp.float32).reshape(width, block_size)
-    scores = jnp.where(by_position[:, None, None, None], pos, scores)  # later = higher
+    scores = jnp.where(per_row(by_position), pos, scores)  # later = higher
     final = protect_and_mask(scores, valid, num_blocks, rows)
     keep = top_k_keep(final, valid, rows.budget)
     return ScoreStages(attn, global_, pooled, red, final, keep), score_cache
+
+
+def redundancy_aware(attn: jax.Array, red: jax.Array, valid: jax.Array) -> jax.Array:
+    """R-KV's score: RKV_LAMBDA * importance - (1 - RKV_LAMBDA) * redundancy, the importance
+    (attention, [B, Hkv, W, BS]) normalised to sum 1 over each row's valid tokens like the
+    softmaxed redundancy `red`."""
+    importance = jnp.where(valid, attn, 0.0)
+    total = importance.sum(axis=(-2, -1), keepdims=True)
+    importance = importance / jnp.where(total > 0, total, 1.0)
+    return RKV_LAMBDA * importance - (1 - RKV_LAMBDA) * red
 
 
 def value_norm(v_pool: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -110,7 +135,7 @@ def protect_and_mask(scores: jax.Array, valid: jax.Array, num_blocks: jax.Array,
     width, block_size = scores.shape[-2:]
     pos = jnp.arange(width * block_size).reshape(width, block_size)  # [W, BS]
     length = num_blocks * block_size
-    as_row = lambda x: x[:, None, None, None]  # noqa: E731
+    as_row = lambda x: x[:, None, None, None]
     protected = (pos < as_row(rows.sinks)) | (pos >= as_row(length - rows.recent))
     scores = jnp.where(protected, jnp.inf, scores)
     return jnp.where(valid, scores, -jnp.inf)

@@ -40,6 +40,7 @@ def compress_layer(
     rows: CompressRows,
     cfg: CompressionConfig,
     backend: Backend = Backend.XLA,
+    rope: tuple[float, ...] = (),
 ) -> tuple[KVPool, ScoreStages]:
     """Compresses one layer; arguments as `compress` with one layer's arrays.
 
@@ -49,7 +50,7 @@ def compress_layer(
     queries = query_cache[query_ids]  # [B, QL, Hq, D]
     k_scored, v_scored, tables = _scored_tokens(pools, block_tables, queries.dtype)
     stages, score_cache = score_layer(k_scored, v_scored, queries, tables, num_blocks, compressed, pools.scores,
-                                      rows, cfg, backend, cache_tables=block_tables)
+                                      rows, cfg, backend, cache_tables=block_tables, rope=rope)
     pools = pools._replace(scores=score_cache)
     present = [i for i, a in enumerate(pools) if a is not None]
     args = ([pools[i] for i in present], stages.keep, block_tables, target_tables)
@@ -89,6 +90,7 @@ def compress(
     rows: CompressRows,
     cfg: CompressionConfig,
     backend: Backend = Backend.XLA,
+    rope: tuple[float, ...] = (),
 ) -> list[KVPool]:
     """Compresses a batch of sequences in every layer (call under jax.jit, pools donated).
 
@@ -102,13 +104,15 @@ def compress(
       target_tables: [B, W] int32 where the kept tokens go (the first budget / BS blocks are filled).
       rows: each row's budget (tokens), protected sinks and recent tokens, and score (policy).
       cfg: static scoring options; backend: the kernels' implementation.
+      rope: the model's RoPE inverse frequencies [D/2] (the "triattention" policy's score);
+        empty: RoPE with theta 10,000.
 
     Returns:
       The layers' pools after compaction (see the module docstring).
     """
     _check(layers, query_caches, block_tables, num_blocks, query_ids, compressed, target_tables, rows, cfg)
     return [compress_layer(pools, query_cache, block_tables, num_blocks, query_ids, compressed, target_tables,
-                           rows, cfg, backend)[0]
+                           rows, cfg, backend, rope)[0]
             for pools, query_cache in zip(layers, query_caches)]
 
 

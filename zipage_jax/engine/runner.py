@@ -53,6 +53,7 @@ from zipage_jax.engine.sharding import TensorParallel, shard_model
 from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.layers.paged_attention import StepInputs, uses_block_tables, xla_page_size
 from zipage_jax.layers.prompt_logprobs import PromptLogprobs
+from zipage_jax.layers.rotary import inv_frequencies
 from zipage_jax.layers.sampler import SamplerOutput, SamplerState, record_inputs
 from zipage_jax.models.decoder import stages
 from zipage_jax.models.loading import LoadedModel
@@ -89,9 +90,9 @@ class DeviceState(NamedTuple):
     sampler: SamplerState
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp"), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp", "rope"), donate_argnames=("kv",))
 def _compress(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows, *,
-              cfg: CompressionConfig, backend: Backend, tp: TensorParallel | None) -> KVState:
+              cfg: CompressionConfig, backend: Backend, tp: TensorParallel | None, rope: tuple[float, ...]) -> KVState:
     """One compaction step of one layer (`kv` holds that layer only): the runner calls the same
     program for every layer, so its compile time does not grow with depth."""
     def step(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows) -> KVState:
@@ -99,7 +100,7 @@ def _compress(kv: KVState, block_tables, num_blocks, query_ids, compressed, targ
         if tp is not None:
             queries, query_ids = tp.group_queries(queries, query_ids)
         pools = compress(list(kv.pools), queries, block_tables, num_blocks, query_ids, compressed, target_tables,
-                         rows, cfg, backend)
+                         rows, cfg, backend, rope)
         return kv._replace(pools=tuple(pools))
 
     if tp is not None:  # each shard compresses its own kv heads
@@ -205,8 +206,9 @@ class ModelRunner:
         store = self._executable_store(loaded)
         self.forward = StagedForward(self.stages, stage_params, store, backend=self.backend, tp=self.tp,
                                      replicated=self._replicated(), hidden_dtype=loaded.model.dtype)
+        rope = tuple(float(f) for f in inv_frequencies(mc.head_dim, mc.rope_theta, mc.rope_scaling))
         self.compressor = CompiledSteps("compression", _compress, store, cfg=self.compression, backend=self.backend,
-                                        tp=self.tp)
+                                        tp=self.tp, rope=rope)
         self.seeder = CompiledSteps("history", _seed_history, store)
         self.programs = (self.forward, self.compressor, self.seeder)
         self.compress_seconds = 0.0  # measured with config.profile_compaction only
