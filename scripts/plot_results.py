@@ -19,17 +19,20 @@ A file whose last line holds a {"sweep": [...]} object gets the throughput plot:
 output tok/s and mean running sequences vs the budget in blocks (log scale), one line per
 policy, full KV as a dashed reference line.
 
-Several files are merged (a later file's row replaces an earlier one for the same policy and budget,
-and for equal-memory rows the same dtype, memory fraction and split).
+Several files are merged (a later file's row replaces an earlier one for the same policy, fraction
+kind, budget, dtype, memory fraction and split).
 
 Equal-memory rows (eval_quality.py --memory-fractions) get their own plot: a row of panels per split
 (held-out first), text and reasoning ppl_ratio against the memory as a fraction of the bfloat16 full
 KV (log scale), one line per policy x kv dtype (colour: policy, line style: dtype), quantization
-alone (int8 / fp8 with full KV) as single points, full KV and the 0.97 goal as reference lines.
+alone (a quantized dtype with full KV) as single points, full KV and the 0.97 goal as reference lines.
 
-One panel per metric present (text and reasoning ppl_ratio, passkey accuracy, greedy
-agreement); x: budget as a fraction of the context (log scale), one line per policy, full KV
-as a dashed reference at 1.0 (or its passkey accuracy).
+Token-budget rows (--budgets): one panel per metric present (text and reasoning ppl_ratio, passkey
+accuracy, greedy agreement); x: budget as a fraction of the context (log scale), one line per policy
+(and split: held-out solid, dev dashed with hollow markers), full KV as a dashed reference at 1.0 (or its passkey
+accuracy). A run with both kinds gets both plots: the memory plot at --out (default
+docs/quality_vs_memory.png), the token plot beside it ("_tokens" added to --out's name; default
+docs/quality_vs_budget.png).
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ def merge(files: list[Path]) -> list[dict]:
     rows: dict[tuple, dict] = {}
     for path in files:
         for row in load_rows(path):
-            key = (row["policy"], row["budget_fraction"], row.get("kv_cache_dtype"), row.get("memory_fraction"),
-                   row.get("split"))
+            key = (row["policy"], row.get("fraction_kind"), row["budget_fraction"], row.get("kv_cache_dtype"),
+                   row.get("memory_fraction"), row.get("split"))
             rows[key] = row
     return list(rows.values())
 
@@ -97,14 +100,20 @@ def plot(rows: list[dict], out: Path) -> list[str]:
         raise ValueError("no compressed policy in the results")
     metrics = [m for m in METRICS if any(r.get(m) is not None for r in compressed)]
     policies = list(dict.fromkeys(r["policy"] for r in compressed))
+    splits = sorted({r.get("split", "dev") for r in compressed}, key=lambda s: (s != "heldout", s))
+    colours = {p: f"C{i}" for i, p in enumerate(policies)}
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         for policy in policies:
-            points = sorted((r["budget_fraction"], r[metric]) for r in compressed
-                            if r["policy"] == policy and r.get(metric) is not None)
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o", label=policy)
+            for split in splits:
+                points = sorted((r["budget_fraction"], r[metric]) for r in compressed if r["policy"] == policy
+                                and r.get("split", "dev") == split and r.get(metric) is not None)
+                if points:
+                    xs, ys = zip(*points)
+                    dev = split == "dev" and len(splits) > 1  # dashed, hollow markers
+                    ax.plot(xs, ys, marker="o", color=colours[policy], linestyle="--" if dev else "-",
+                            fillstyle="none" if dev else "full",
+                            label=policy if len(splits) == 1 else f"{policy} ({split})")
         if full is not None and full.get(metric) is not None:
             ax.axhline(full[metric], color="black", linestyle="--", linewidth=1, label="full KV")
         ax.set_xscale("log", base=2)
@@ -120,12 +129,30 @@ def plot(rows: list[dict], out: Path) -> list[str]:
 
 
 MEMORY_METRICS = {"ppl_ratio": "text", "reasoning_ppl_ratio": "reasoning"}
-DTYPE_STYLES = {"auto": "-", "int8": "--", "fp8": ":"}
+LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)))  # kv dtypes in order of appearance
+MARKERS = ("s", "D", "^", "v", "P", "X")  # quantization alone, per kv dtype
 GOAL = 0.97
 
 
+def row_kind(row: dict) -> str:
+    """"memory" (--memory-fractions) or "tokens" (--budgets); rows of older runs by their fields."""
+    return row.get("fraction_kind") or ("memory" if "memory_fraction" in row else "tokens")
+
+
 def is_memory(rows: list[dict]) -> bool:
-    return any("memory_fraction" in r for r in rows)
+    return any(row_kind(r) == "memory" for r in rows)
+
+
+def memory_x(row: dict, metric: str) -> float:
+    """The row's memory (fraction of the bf16 full KV) for `metric`: its workload's where the row has
+    them (texts and conversations may differ in length, and so in whole blocks)."""
+    workload = "reasoning" if metric.startswith("reasoning") else "text"
+    return row.get("by_workload", {}).get(workload, row)["memory_fraction_bf16"]
+
+
+def dtype_styles(rows: list[dict]) -> dict[str, object]:
+    dtypes = list(dict.fromkeys(["auto", *(r.get("kv_cache_dtype", "auto") for r in rows)]))
+    return {d: LINE_STYLES[i % len(LINE_STYLES)] for i, d in enumerate(dtypes)}
 
 
 def plot_memory(rows: list[dict], out: Path) -> list[str]:
@@ -142,23 +169,24 @@ def plot_memory(rows: list[dict], out: Path) -> list[str]:
         raise ValueError("no compressed policy in the results")
     policies = list(dict.fromkeys(r["policy"] for r in compressed))
     colours = {p: f"C{i}" for i, p in enumerate(policies)}
+    styles = dtype_styles(rows)
+    markers = {d: MARKERS[i % len(MARKERS)] for i, d in enumerate(d for d in styles if d != "auto")}
     fig, axes = plt.subplots(len(splits), len(MEMORY_METRICS), figsize=(5.2 * len(MEMORY_METRICS),
                                                                         3.8 * len(splits)), squeeze=False)
     for ax_row, split in zip(axes, splits):
         mine = [r for r in rows if r.get("split", "dev") == split]
         for ax, (metric, title) in zip(ax_row, MEMORY_METRICS.items()):
             for policy in policies:
-                for dtype, style in DTYPE_STYLES.items():
-                    points = sorted((r["memory_fraction_bf16"], r[metric]) for r in mine if r["policy"] == policy
+                for dtype, style in styles.items():
+                    points = sorted((memory_x(r, metric), r[metric]) for r in mine if r["policy"] == policy
                                     and r["kv_cache_dtype"] == dtype and r.get(metric) is not None)
                     if points:
                         xs, ys = zip(*points)
                         ax.plot(xs, ys, marker="o", linestyle=style, color=colours[policy], label=f"{policy} {dtype}")
             for r in mine:
                 if r["policy"] == "full" and r["kv_cache_dtype"] != "auto" and r.get(metric) is not None:
-                    ax.plot([r["memory_fraction_bf16"]], [r[metric]], marker="s", linestyle="none", color="black",
-                            fillstyle="none" if r["kv_cache_dtype"] == "fp8" else "full",
-                            label=f"full KV {r['kv_cache_dtype']}")
+                    ax.plot([memory_x(r, metric)], [r[metric]], marker=markers[r["kv_cache_dtype"]],
+                            linestyle="none", color="black", label=f"full KV {r['kv_cache_dtype']}")
             ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="full KV (f32 reference)")
             ax.axhline(GOAL, color="grey", linestyle=":", linewidth=1, label=f"goal {GOAL}")
             fractions = sorted({r["memory_fraction"] for r in mine if r["policy"] != "full"})
@@ -286,12 +314,18 @@ def main(argv: list[str] | None = None) -> None:
     rows = merge(args.results)
     if args.policies:
         rows = [r for r in rows if r["policy"] in {"full", *args.policies}]
-    if is_memory(rows):
+    memory = [r for r in rows if row_kind(r) == "memory"]
+    tokens = [r for r in rows if row_kind(r) == "tokens"]
+    if memory:
         out = args.out or Path("docs/quality_vs_memory.png")
-        print(f"wrote {out} (splits: {', '.join(plot_memory(rows, out))})")
-        return
-    out = args.out or Path("docs/quality_vs_budget.png")
-    metrics = plot(rows, out)
+        print(f"wrote {out} (splits: {', '.join(plot_memory(memory, out))})")
+        if not any(r["policy"] != "full" for r in tokens):
+            return
+        out = args.out.with_name(f"{args.out.stem}_tokens{args.out.suffix}") if args.out else None
+    else:
+        out = args.out
+    out = out or Path("docs/quality_vs_budget.png")
+    metrics = plot(tokens, out)
     print(f"wrote {out} ({', '.join(metrics)})")
 
 

@@ -12,10 +12,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
-import eval_quality as eq  # noqa: E402
-import plot_results  # noqa: E402
-from zipage_jax import SamplingParams  # noqa: E402
-from zipage_jax.models.loading import load_model  # noqa: E402
+import eval_quality as eq
+import plot_results
+
+from zipage_jax import SamplingParams
+from zipage_jax.models.loading import load_model
 
 LENGTH = 160  # prompt + forced tokens per job: 10 blocks of 16
 
@@ -30,7 +31,7 @@ def loaded(tiny_model_factory, model_cache_dir):
 
 @pytest.fixture(scope="module")
 def args():
-    return eq.parse_args(["--length", str(LENGTH), "--block-size", "16", "--query-cache-len", "4"])
+    return eq.parse_args(["--length", str(LENGTH), "--block-size", "16", "--query-cache-len", "4", "--no-reasoning"])
 
 
 def _jobs(free: int = 0) -> list[eq.Job]:
@@ -116,6 +117,42 @@ def test_budget_tokens_and_bad_arguments():
         eq.parse_args(["--text", "/no/such/file"])
 
 
+def _error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit):
+        eq.parse_args(argv)
+    return capsys.readouterr().err
+
+
+def test_workload_options_and_lengths(capsys):
+    default = eq.parse_args([])
+    assert (default.length, default.reasoning_length, default.max_context) == (2048, 3072, 3072)
+    assert eq.workload_lengths(default) == {"text": 2048, "reasoning": 3072, "passkey": 2048}
+    quick = eq.parse_args(["--quick"])
+    assert eq.workload_lengths(quick) == {"text": 1024, "reasoning": 3072, "passkey": 1024}
+    alone = eq.parse_args(["--reasoning-only", "--budgets", "0.125"])
+    assert (alone.texts, alone.passkey_trials, alone.reasoning) == (False, 0, True)
+    assert eq.workload_lengths(alone) == {"reasoning": 3072} and alone.max_context == 3072
+    assert eq.workload_lengths(eq.parse_args(["--no-texts", "--no-reasoning"])) == {"passkey": 2048}
+    assert eq.workload_lengths(eq.parse_args(["--no-passkeys", "--no-reasoning"])) == {"text": 2048}
+    assert eq.parse_args(["--passkey-trials", "3", "--split", "heldout"]).passkey_trials == 0  # passkeys: dev only
+    assert eq.parse_args(["--reasoning-length", "1024"]).reasoning_length == 1024  # below 2,000 is allowed
+    for argv, message in ((["--reasoning-only", "--no-reasoning"], "nothing to run"),
+                          (["--no-texts", "--no-passkeys", "--no-reasoning"], "no workload"),
+                          (["--reasoning-length", "32"], "--reasoning-length must be at least 64"),
+                          (["--reasoning-only", "--text", __file__], "--text")):
+        assert message in _error(argv, capsys)
+
+
+def test_budgets_that_cannot_hold_the_protected_tokens_are_refused_per_workload(capsys):
+    """1/16 of 256 tokens is one block of 16: fewer than the query cache's 16 + 4 protected tokens."""
+    short = ["--reasoning-length", "256", "--block-size", "16"]
+    assert "reasoning at 256 tokens" in _error([*short, "--budgets", "0.0625"], capsys)
+    assert "too small" in _error([*short, "--budgets", "0.0625"], capsys)
+    assert "too few" in _error([*short, "--memory-fractions", "0.0625"], capsys)
+    assert eq.parse_args([*short, "--budgets", "0.0625", "--no-reasoning"]).budgets == [0.0625]  # texts: 2048
+    assert eq.parse_args([*short, "--budgets", "0.125"]).budgets == [0.125]  # 32 tokens
+
+
 def test_plot_writes_png(tmp_path):
     rows = [{"policy": "full", "budget_fraction": 1.0, "ppl_ratio": 1.0, "passkey_accuracy": 1.0, "agreement": 1.0}]
     rows += [{"policy": p, "budget_fraction": f, "ppl_ratio": 0.9 + f / 10, "passkey_accuracy": None,
@@ -171,33 +208,49 @@ def test_memory_budget_tokens_at_equal_memory():
         eq.memory_budget_tokens(1 / 64, 512, bf16, bf16, 16, 16)
 
 
-def test_memory_fields_in_bf16_and_f32_terms():
-    point = eq.Point("vnorm-window", "int8", 1 / 8, 240)
-    row = eq.memory_fields(SMOLLM, point, 1024, jnp.float32)
-    assert row["memory_fraction"] == 1 / 8 and row["budget_tokens"] == 240
+def test_budget_fields_as_tokens_and_as_memory():
+    row = eq.budget_fields(SMOLLM, eq.Point("vnorm-window", "int8", "memory", 1 / 8), 1024, 240, jnp.float32)
+    assert (row["context"], row["budget_tokens"], row["kept_fraction"]) == (1024, 240, 240 / 1024)
     assert row["memory_fraction_bf16"] == pytest.approx(240 * 68 / (1024 * 128))
     assert row["memory_fraction_f32"] == pytest.approx(240 * 68 / (1024 * 256))
-    auto = eq.memory_fields(SMOLLM, eq.Point("streaming", "auto", 1 / 8, 128), 1024, jnp.float32)
-    assert auto["memory_fraction_bf16"] == auto["memory_fraction_f32"] == 1 / 8  # the CPU stores auto in f32
-    full = eq.memory_fields(SMOLLM, eq.Point("full", "fp8", 1.0, 0), 1024, jnp.float32)  # quantization alone
-    assert full["budget_tokens"] == 1024 and full["memory_fraction"] == full["memory_fraction_bf16"] == 68 / 128
+    auto = eq.budget_fields(SMOLLM, eq.Point("streaming", "auto", "tokens", 1 / 8), 3072, 384, jnp.float32)
+    assert auto["memory_fraction_bf16"] == auto["memory_fraction_f32"] == auto["kept_fraction"] == 1 / 8
+    full = eq.budget_fields(SMOLLM, eq.Point("full", "fp8", "memory", 1.0), 1024, 0, jnp.float32)  # quantization alone
+    assert full["budget_tokens"] == 1024 and full["memory_fraction_bf16"] == 68 / 128
 
 
-def test_plan_points_loop_over_dtypes_and_fractions():
-    args = eq.parse_args(["--memory-fractions", "0.0625", "0.125", "--kv-cache-dtypes", "auto", "int8", "fp8"])
+def _job(context: int, kind: str = "text", split: str = "dev") -> eq.Job:
+    return eq.Job(f"{kind}:{context}", [0] * eq.PROMPT_TOKENS, [0] * (context - eq.PROMPT_TOKENS), kind=kind, split=split)
+
+
+def test_plan_points_of_both_kinds_and_budgets_per_job_length():
+    args = eq.parse_args(["--budgets", "0.125", "--memory-fractions", "0.0625", "0.125",
+                          "--kv-cache-dtypes", "auto", "int8", "fp8"])
     assert (args.policies, args.block_size, args.split, args.passkey_trials) == (eq.MEMORY_POLICIES, 16, "both", 0)
-    points = eq.plan_points(args, SMOLLM, 1024)
-    assert [p for p in points if p.policy == "full"] == [eq.Point("full", "int8", 1.0, 0), eq.Point("full", "fp8", 1.0, 0)]
-    budgets = {(p.kv_cache_dtype, p.fraction): p.budget for p in points if p.policy != "full"}
-    assert budgets == {("auto", 1 / 16): 64, ("auto", 1 / 8): 128, ("int8", 1 / 16): 112, ("int8", 1 / 8): 240,
-                       ("fp8", 1 / 16): 112, ("fp8", 1 / 8): 240}
-    assert len(points) == 2 + 3 * 2 * len(eq.MEMORY_POLICIES)
-    legacy = eq.plan_points(eq.parse_args(["--budgets", "0.125", "--policies", "full", "streaming"]), SMOLLM, 1024)
-    assert legacy == [eq.Point("streaming", "auto", 0.125, 128)]
-    for bad in (["--budgets", "0.1", "--memory-fractions", "0.1"], ["--kv-cache-dtypes", "int8"],
-                ["--memory-fractions", "1.0"], ["--heldout-per-kind", "-1"]):
+    points = eq.plan_points(args)
+    assert [p for p in points if p.policy == "full"] == [eq.Point("full", "int8", "memory", 1.0),
+                                                         eq.Point("full", "fp8", "memory", 1.0)]
+    assert [p for p in points if p.fraction_kind == "tokens"] == [eq.Point(p, "auto", "tokens", 0.125)
+                                                                  for p in eq.MEMORY_POLICIES]
+    assert len(points) == len(eq.MEMORY_POLICIES) + 2 + 3 * 2 * len(eq.MEMORY_POLICIES)
+    jobs = [_job(1024), _job(3072, "reasoning"), _job(1000, "passkey")]
+    budgets = eq.point_budgets(points, jobs, SMOLLM, args)
+    got = {(p.kv_cache_dtype, p.fraction_kind, p.fraction): b for p, b in budgets.items() if p.policy == "streaming"}
+    # tokens: rounded to blocks of 16; memory: floor(f * context * 128 / 68) rounded down to blocks
+    assert got == {("auto", "tokens", 0.125): [128, 384, 128], ("auto", "memory", 0.0625): [64, 192, 48],
+                   ("auto", "memory", 0.125): [128, 384, 112], ("int8", "memory", 0.0625): [112, 352, 112],
+                   ("int8", "memory", 0.125): [240, 720, 224], ("fp8", "memory", 0.0625): [112, 352, 112],
+                   ("fp8", "memory", 0.125): [240, 720, 224]}
+    assert budgets[eq.Point("full", "int8", "memory", 1.0)] == [0, 0, 0]
+    small = eq.parse_args(["--budgets", "0.0625", "--block-size", "16"])  # 1/16 of 256 tokens: one block
+    with pytest.raises(ValueError, match=r"reasoning job reasoning:256 \(256 tokens\).*too small"):
+        eq.point_budgets(eq.plan_points(small), [_job(2048), _job(256, "reasoning")], SMOLLM, small)
+    for bad in (["--kv-cache-dtypes", "int8"], ["--memory-fractions", "1.0"], ["--heldout-per-kind", "-1"]):
         with pytest.raises(SystemExit):
             eq.parse_args(bad)
+    legacy = eq.parse_args(["--budgets", "0.125", "--policies", "full", "streaming"])
+    assert eq.plan_points(legacy) == [eq.Point("streaming", "auto", "tokens", 0.125)]
+    assert eq.fraction_kinds(legacy) == ["tokens"] and eq.fraction_kinds(args) == ["tokens", "memory"]
 
 
 class _WordTokenizer:
@@ -232,34 +285,184 @@ def test_heldout_texts_are_fixed_and_never_dev(loaded):
     assert not set(eq.HELDOUT_PROBLEMS) & set(eq.PROBLEMS)
 
 
-def test_memory_mode_end_to_end(loaded, tiny_model_factory, monkeypatch):
-    """int8 full KV (quantization alone) and attention-only zipage at a quarter of the bf16 memory (one
-    engine: the same engine options), on one dev and one held-out text: budgets, rows per split, table."""
+# -- reasoning conversations --------------------------------------------------------------------
+
+QUESTIONS = ("Add 2 and 3.", "Name a colour.", "Count to four.")
+CONVERSATIONS = ((QUESTIONS, 0), (eq.rotated(QUESTIONS, 1), 5))
+REASONING = 256  # tokens per conversation: three turns of answers of at most 40 tokens on the tiny model
+
+
+def test_conversation_splits():
+    assert [seed for _, seed in eq.DEV_CONVERSATIONS] == [0, 3, 6]
+    assert [problems[0] for problems, _ in eq.DEV_CONVERSATIONS] == [eq.PROBLEMS[0], eq.PROBLEMS[3], eq.PROBLEMS[6]]
+    assert all(sorted(problems) == sorted(eq.PROBLEMS) for problems, _ in eq.DEV_CONVERSATIONS)
+    held = eq.HELDOUT_CONVERSATIONS
+    assert len(held) == 3 and len({seed for _, seed in held}) == 3
+    assert len(set(eq.HELDOUT_PROBLEMS)) == len(eq.HELDOUT_PROBLEMS) == 24  # none repeats within 24 turns
+    assert [problems[:8] for problems, _ in held[:2]] == [eq.HELDOUT_PROBLEMS[:8], eq.HELDOUT_PROBLEMS[8:16]]
+    assert held[2][0][:8] == eq.HELDOUT_PROBLEMS[16:] and all(len(problems) == 24 for problems, _ in held)
+    assert not set(eq.HELDOUT_PROBLEMS) & set(eq.PROBLEMS)
+
+
+def test_next_prompt_keeps_the_answers_tokens_as_written(loaded):
+    from zipage_jax.chat import chat_prompt_ids, chat_prompt_text
+
+    tok = loaded.tokenizer
+    q1, q2 = ({"role": "user", "content": q} for q in QUESTIONS[:2])
+    first = eq.next_prompt(tok, [], [], q1)
+    assert first == chat_prompt_ids(tok, [q1])
+    answer = [tok(c, add_special_tokens=False)["input_ids"][0] for c in "the cat"]  # one token a character
+    assert answer != tok("the cat", add_special_tokens=False)["input_ids"]  # not how the tokenizer writes it
+    messages = [q1, {"role": "assistant", "content": tok.decode(answer)}]
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    for written, stopped in ((answer + [eos], True), (answer, False)):  # ended by the model, or cut at max_tokens
+        ids = first + written
+        prompt = eq.next_prompt(tok, messages, ids, q2, stopped)
+        assert prompt[:len(ids)] == ids  # the answer as written: never re-tokenized
+        assert tok.decode(prompt) == chat_prompt_text(tok, [*messages, q2])  # one end-of-turn, as the template
+
+
+def test_conversations_batched_per_turn_exact_length_answer_mask_and_cache(loaded, monkeypatch):
+    monkeypatch.setattr(eq, "REASONING_ANSWER_TOKENS", 40)
+    args = eq.parse_args(["--reasoning-length", str(REASONING), "--block-size", "16", "--query-cache-len", "4"])
+    llm = eq.make_llm(loaded, args, 2 * (REASONING // 16 + 2) + 2, 2)
+    calls, generate = [], llm.generate
+
+    def spy(prompts, params, use_tqdm=False):
+        outs = generate(prompts, params, use_tqdm=use_tqdm)
+        calls.append((prompts, params, outs))
+        return outs
+
+    llm.generate = spy
+    jobs = eq.reasoning_jobs(llm, REASONING, CONVERSATIONS, "heldout")
+    assert [(j.workload, j.kind, j.split, j.context) for j in jobs] == [
+        ("reasoning:heldout:seed0", "reasoning", "heldout", REASONING), ("reasoning:heldout:seed5", "reasoning",
+                                                                           "heldout", REASONING)]
+    assert len(calls) >= 3 and all(len(prompts) == 2 for prompts, _, _ in calls)  # one call a turn, both batched
+    tok = loaded.tokenizer
+    for k, (job, (problems, seed)) in enumerate(zip(jobs, CONVERSATIONS)):
+        ids = job.prompt + job.forced
+        mask = np.zeros(REASONING, bool)
+        for turn, (prompts, params, outs) in enumerate(calls):
+            prompt, answer = prompts[k], outs[k]["token_ids"]
+            assert params[k].seed == seed * 1000 + turn and (params[k].temperature, params[k].top_p) == (0.6, 0.95)
+            assert ids[:len(prompt)] == prompt and ids[len(prompt):len(prompt) + len(answer)] == answer
+            assert tok.decode(prompt).endswith(problems[turn % 3] + eq.REASONING_SUFFIX + "<|im_end|>\n"
+                                               "<|im_start|>assistant\n")  # this turn's question
+            mask[len(prompt):len(prompt) + len(answer)] = True
+        assert calls[-1][1][k].min_tokens == calls[-1][1][k].max_tokens < eq.REASONING_MIN_ROOM  # the last room
+        assert not mask[:eq.PROMPT_TOKENS].any()
+        np.testing.assert_array_equal(job.scored, mask[eq.PROMPT_TOKENS:])  # the answers' tokens, nothing else
+    assert jobs[0].forced != jobs[1].forced
+
+    def refuse(*_, **__):
+        raise AssertionError("generated again")
+
+    llm.generate = refuse
+    again = eq.reasoning_jobs(llm, REASONING, CONVERSATIONS, "heldout")  # from the disk cache
+    assert [(j.prompt, j.forced) for j in again] == [(j.prompt, j.forced) for j in jobs]
+    assert all(np.array_equal(a.scored, j.scored) for a, j in zip(again, jobs))
+    other_seed = (CONVERSATIONS[0], (CONVERSATIONS[1][0], 6))
+    for changed in ((REASONING - 16, CONVERSATIONS), (REASONING, other_seed), (REASONING, CONVERSATIONS[:1]),
+                    (REASONING, ((QUESTIONS[:2], 0),))):
+        with pytest.raises(AssertionError, match="generated again"):  # every input is in the cache key
+            eq.reasoning_jobs(llm, *changed)
+    with pytest.raises(ValueError, match="first answer"):  # no room for an answer after the first question
+        eq.reasoning_jobs(llm, 64, CONVERSATIONS)
+
+
+def test_both_fraction_kinds_texts_and_reasoning_end_to_end(loaded, tiny_model_factory, monkeypatch):
+    """Texts of 160 tokens and conversations of 256 in one run, at a quarter of their tokens and a
+    quarter of their bf16 bytes (auto and int8): budgets per job length, one engine per (engine options,
+    kv dtype) with every point of it batched, rows per split with each workload's lengths, tables."""
     monkeypatch.setattr(eq, "HELDOUT_KINDS", ("code",))
-    args = eq.parse_args(["--model", str(tiny_model_factory("llama")), "--memory-fractions", "0.25",
-                          "--kv-cache-dtypes", "int8", "--policies", "zipage-attn", "--length", str(LENGTH),
-                          "--no-reasoning", "--num-texts", "1", "--heldout-per-kind", "1", "--query-cache-len", "4"])
+    monkeypatch.setattr(eq, "REASONING_ANSWER_TOKENS", 40)
+    monkeypatch.setattr(eq, "DEV_CONVERSATIONS", CONVERSATIONS)
+    monkeypatch.setattr(eq, "HELDOUT_CONVERSATIONS", ((eq.rotated(QUESTIONS, 2), 7),))
+    engines, make_llm = [], eq.make_llm
+
+    def spy(loaded, args, num_blocks, max_num_seqs, group=()):
+        engines.append((group, max_num_seqs))
+        return make_llm(loaded, args, num_blocks, max_num_seqs, group)
+
+    monkeypatch.setattr(eq, "make_llm", spy)
+    args = eq.parse_args(["--model", str(tiny_model_factory("llama")), "--budgets", "0.25", "--memory-fractions",
+                          "0.25", "--kv-cache-dtypes", "auto", "int8", "--policies", "zipage-attn", "--length",
+                          str(LENGTH), "--reasoning-length", str(REASONING), "--num-texts", "1",
+                          "--heldout-per-kind", "1", "--query-cache-len", "4"])
     rows, workloads = eq.evaluate(args)
-    assert [(j["kind"], j["split"]) for j in workloads["jobs"]] == [("code", "dev"), ("code", "heldout")]
-    got = {(r["policy"], r["kv_cache_dtype"], r["split"]): r for r in rows}
-    assert set(got) == {(p, d, s) for p, d in (("full", "auto"), ("full", "int8"), ("zipage-attn", "int8"))
-                        for s in ("dev", "heldout")}
+    assert [(j["kind"], j["split"], j["context"]) for j in workloads["jobs"]] == [
+        ("code", "dev", LENGTH), ("reasoning", "dev", REASONING), ("reasoning", "dev", REASONING),
+        ("code", "heldout", LENGTH), ("reasoning", "heldout", REASONING)]
+    assert workloads["lengths"] == {"text": LENGTH, "reasoning": REASONING}
+    # the conversations (2 at once), full KV, then per kv dtype one engine: auto's tokens and memory points
+    # have equal budgets and run once (5 jobs); int8's full KV and zipage-attn share engine options (10)
+    int8 = (("kv_cache_dtype", "int8"),)
+    assert engines == [((), 2), ((), 5), ((), 5), (int8, 10)]
+    got = {(r["policy"], r["kv_cache_dtype"], r["fraction_kind"], r["split"]): r for r in rows}
+    points = [("full", "auto", "tokens"), ("zipage-attn", "auto", "tokens"), ("full", "auto", "memory"),
+              ("full", "int8", "memory"), ("zipage-attn", "auto", "memory"), ("zipage-attn", "int8", "memory")]
+    assert set(got) == {(*p, s) for p in points for s in ("dev", "heldout")} and len(rows) == len(got)
     # tiny llama: 2 layers, 2 kv heads, head dim 16: bf16 64 bytes a token per layer and head, int8 16 + 4 + 16 + 4
-    tokens = int(0.25 * LENGTH * 64 / 40) // 16 * 16
+    budgets = {("auto", "tokens"): (32, 64), ("auto", "memory"): (32, 64), ("int8", "memory"): (64, 96)}
     for split in ("dev", "heldout"):
-        assert got["full", "auto", split]["ppl_ratio"] == 1.0
-        quant = got["full", "int8", split]
-        assert quant["memory_fraction_bf16"] == pytest.approx(40 / 64) and quant["budget_tokens"] == LENGTH
-        assert 0.9 < quant["ppl_ratio"] < 1.1  # int8 rounding only
-        compressed = got["zipage-attn", "int8", split]
-        assert compressed["budget_tokens"] == tokens and compressed["memory_fraction"] == 0.25
-        assert compressed["memory_fraction_bf16"] == pytest.approx(tokens * 40 / (LENGTH * 64))
-        assert 0 < compressed["ppl_ratio"] != quant["ppl_ratio"]
-        assert compressed["ppl_ratio_by_kind"] == {"code": compressed["ppl_ratio"]}
-    table = eq.markdown_table(rows)
-    r = got["zipage-attn", "int8", "heldout"]
-    assert f"| zipage-attn | int8 | {r['memory_fraction_bf16']:.4f} |" in table
-    assert f"{r['ppl_ratio']:.3f} ({got['zipage-attn', 'int8', 'dev']['ppl_ratio']:.3f})" in table
+        for kind in ("tokens", "memory"):
+            full = got["full", "auto", kind, split]
+            assert full["ppl_ratio"] == full["reasoning_ppl_ratio"] == 1.0 and full["budget_fraction"] == 1.0
+        quant = got["full", "int8", "memory", split]
+        assert 0.9 < quant["ppl_ratio"] < 1.1 and 0.9 < quant["reasoning_ppl_ratio"] < 1.1  # int8 rounding only
+        assert quant["by_workload"]["reasoning"]["memory_fraction_bf16"] == pytest.approx(40 / 64)
+        for (dtype, kind), (text, reasoning) in budgets.items():
+            r = got["zipage-attn", dtype, kind, split]
+            assert r["fraction"] == 0.25 and r["split"] == split
+            assert {w: (f["context"], f["budget_tokens"]) for w, f in r["by_workload"].items()} == {
+                "text": (LENGTH, text), "reasoning": (REASONING, reasoning)}
+            for f in r["by_workload"].values():
+                assert f["kept_fraction"] == f["budget_tokens"] / f["context"]
+                bf16, f32 = (40 / 64, 40 / 128) if dtype == "int8" else (1, 1)  # this CPU stores auto in f32
+                assert f["memory_fraction_bf16"] == pytest.approx(f["kept_fraction"] * bf16)
+                assert f["memory_fraction_f32"] == pytest.approx(f["kept_fraction"] * f32)
+            assert (r["context"], r["budget_tokens"]) == (LENGTH, text)  # flat: the first workload's
+            assert 0 < r["ppl_ratio"] != 1.0 and 0 < r["reasoning_ppl_ratio"] != 1.0
+            assert set(r["ppl_ratio_by_job"]) == {f"text:{j['name'][5:]}" for j in workloads["jobs"]
+                                                  if j["split"] == split and j["kind"] == "code"} | {
+                j["name"] for j in workloads["jobs"] if j["split"] == split and j["kind"] == "reasoning"}
+        tokens, memory = got["zipage-attn", "auto", "tokens", split], got["zipage-attn", "auto", "memory", split]
+        assert tokens["ppl_ratio"] == memory["ppl_ratio"] and tokens["reasoning_ppl_ratio"] == memory[
+            "reasoning_ppl_ratio"]  # the same budgets: one run
+        assert memory["memory_fraction"] == 0.25 and "memory_fraction" not in tokens
+        assert got["zipage-attn", "int8", "memory", split]["reasoning_ppl_ratio"] != memory["reasoning_ppl_ratio"]
+    table = eq.markdown_table(rows, workloads["lengths"])
+    assert table.startswith(f"Context: text {LENGTH} tokens, reasoning {REASONING} tokens.")
+    assert table.count("| policy |") == 2 and eq.TABLE_TITLES["tokens"] in table and eq.TABLE_TITLES["memory"] in table
+
+    def pair(key, *point):
+        return f"{got[(*point, 'heldout')][key]:.3f} ({got[(*point, 'dev')][key]:.3f})"
+
+    bf16 = [kept * 40 / (context * 64) for kept, context in ((64, LENGTH), (96, REASONING))]  # text, reasoning
+    assert (f"| zipage-attn | int8 | {bf16[0]:.4f} / {bf16[1]:.4f} | {bf16[0] / 2:.4f} / {bf16[1] / 2:.4f} | 64 / 96 | {pair('ppl_ratio', 'zipage-attn', 'int8', 'memory')} | "
+            f"{pair('reasoning_ppl_ratio', 'zipage-attn', 'int8', 'memory')} | "
+            f"{pair('agreement', 'zipage-attn', 'int8', 'memory')} |") in table
+    assert (f"| zipage-attn | 0.25 | 32 / 64 | {32 / LENGTH:.4f} / {64 / REASONING:.4f} | "
+            f"{pair('ppl_ratio', 'zipage-attn', 'auto', 'tokens')} | "
+            f"{pair('reasoning_ppl_ratio', 'zipage-attn', 'auto', 'tokens')} |") in table
+    assert "| memory of bf16 full KV (text / reasoning) | of f32 (text / reasoning) | kept tokens (text / reasoning) |" \
+        in table
+
+
+def test_main_prints_the_tables_and_the_json_with_the_lengths(monkeypatch, capsys, tmp_path):
+    row = {"policy": "full", "kv_cache_dtype": "auto", "fraction_kind": "tokens", "fraction": 1.0, "split": "dev",
+           "budget_fraction": 1.0, "ppl_ratio": 1.0, "reasoning_ppl_ratio": 1.0, "passkey_accuracy": None,
+           "agreement": None, "by_workload": {"reasoning": eq.budget_fields(SMOLLM, eq.Point("full", "auto", "tokens",
+                                                                                          1.0), 3072, 0, jnp.float32)}}
+    workloads = {"lengths": {"reasoning": 3072}, "jobs": []}
+    monkeypatch.setattr(eq, "evaluate", lambda args: ([row], workloads))
+    eq.main(["--reasoning-only", "--json", "--markdown", str(tmp_path / "t.md")])
+    out = capsys.readouterr().out.strip().splitlines()
+    data = json.loads(out[-1])
+    assert data["results"] == [row] and data["workloads"] == workloads and data["lengths"] == {"reasoning": 3072}
+    assert out[0] == "Context: reasoning 3072 tokens."
+    assert "| full | 1 | 3072 | 1.0000 | 1.000 | 1.000 |" in (tmp_path / "t.md").read_text()
 
 
 def test_plot_memory_writes_png(tmp_path):
@@ -279,3 +482,31 @@ def test_plot_memory_writes_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_results.plot_memory(rows, out) == ["heldout", "dev"]
     assert len(plot_results.merge([src, src])) == len(rows)  # dtype, fraction and split keep rows apart
+
+
+def test_plot_both_fraction_kinds_and_any_kv_dtype(tmp_path):
+    """A run with --budgets and --memory-fractions: the memory plot at --out, the token plot beside it;
+    a kv dtype the plot has never heard of still gets its own line style."""
+    def row(policy, dtype, kind, f, split):
+        r = {"policy": policy, "kv_cache_dtype": dtype, "fraction_kind": kind, "fraction": f, "split": split,
+             "budget_fraction": f, "memory_fraction_bf16": f, "ppl_ratio": 0.9 + f / 10,
+             "reasoning_ppl_ratio": 0.8 + f / 10, "passkey_accuracy": None, "agreement": None}
+        return r | ({"memory_fraction": f} if kind == "memory" else {})
+
+    rows = [row("full", "auto", k, 1.0, s) for k in ("tokens", "memory") for s in ("dev", "heldout")]
+    rows += [row("streaming", "auto", "tokens", f, s) for f in (1 / 8, 1 / 4) for s in ("dev", "heldout")]
+    rows += [row("streaming", d, "memory", f, s) for d in ("auto", "int8", "int4") for f in (1 / 8, 1 / 4)
+             for s in ("dev", "heldout")]
+    rows.append(row("full", "int4", "memory", 0.3, "heldout"))
+    src = tmp_path / "both.json"
+    src.write_text(json.dumps({"results": rows}) + "\n")
+    assert len(plot_results.merge([src])) == len(rows)  # the fraction kind keeps equal fractions apart
+    assert plot_results.dtype_styles(rows) == {"auto": "-", "int8": "--", "int4": ":"}
+    texts_and_talk = rows[-1] | {"by_workload": {"text": {"memory_fraction_bf16": 0.25},
+                                                 "reasoning": {"memory_fraction_bf16": 0.2344}}}
+    assert plot_results.memory_x(texts_and_talk, "reasoning_ppl_ratio") == 0.2344  # each workload at its memory
+    assert plot_results.memory_x(texts_and_talk, "ppl_ratio") == 0.25 and plot_results.memory_x(rows[-1], "x") == 0.3
+    out = tmp_path / "both.png"
+    plot_results.main([str(src), "--out", str(out)])
+    for path in (out, tmp_path / "both_tokens.png"):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

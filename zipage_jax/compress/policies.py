@@ -90,8 +90,8 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("streaming", Score.POSITION, PolicyOptions(sinks=4, recent_fraction=0.0)),
     Policy("window", Score.ATTENTION, PolicyOptions(sinks=4, recent_fraction=0.75)),
     Policy("vnorm-window", Score.VALUE_NORM, PolicyOptions(sinks=4, recent_fraction=0.75)),
-    Policy("rkv", Score.REDUNDANCY, PolicyOptions(sinks=4, recent_fraction=0.5)),
-    Policy("triattention", Score.FUTURE, PolicyOptions(sinks=4, recent_fraction=0.5)),
+    Policy("rkv", Score.REDUNDANCY, PolicyOptions(sinks=4, recent_fraction=0.75)),
+    Policy("triattention", Score.FUTURE, PolicyOptions(sinks=4, recent_fraction=0.75)),
 )}
 DEFAULT_POLICY = "vnorm-window"  # best on code and reasoning (docs/RESULTS.md); "zipage" = reference
 
