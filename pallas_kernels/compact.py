@@ -31,7 +31,9 @@ In interpret mode every load and store is one whole-array operation in program o
 the barrier (which has no CPU lowering) is emitted only for the Triton kernel.
 
 The kernel moves bits: every pool is seen as unsigned ints of its width, so any 1, 2 or
-4-byte dtype (float8, int8, bfloat16, float32, ...) comes out bit for bit.
+4-byte dtype (float8, int8, packed int4 bytes, float16 scales, bfloat16, float32, ...) comes out
+bit for bit, with any trailing dims (a packed int4 pool [.., Hkv, D / 2] and its group scales
+[.., Hkv, D / 32] move as whole rows).
 """
 
 from __future__ import annotations
@@ -168,8 +170,9 @@ def compact(
 
     Args:
       pools: one layer's pools, each [NB, BS, Hkv, *trailing] of any dtype, all moved
-        together: keys and values [NB, BS, Hkv, D], score cache or per-token scales
-        [NB, BS, Hkv]. Trailing sizes must be powers of two (Triton tiles).
+        together: keys and values [NB, BS, Hkv, D] (int4: D / 2 bytes), score cache or
+        per-token scales [NB, BS, Hkv] (int4: [NB, BS, Hkv, D / 32]). Trailing sizes must be
+        powers of two (Triton tiles).
       keep: [B, Hkv, W, BS] bool, the tokens to keep; at most M*BS per (seq, head), more are
         dropped. A row keeping nothing (a padding row) writes nothing.
       block_tables: [B, W] int32 physical block of each logical block.

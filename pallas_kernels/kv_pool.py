@@ -14,10 +14,11 @@ import jax
 
 
 class KVPool(NamedTuple):
-    k: jax.Array  # [NB, BS, Hkv, D] storage dtype, keys after RoPE
-    v: jax.Array  # [NB, BS, Hkv, D]
-    k_scales: jax.Array | None = None  # [NB, BS, Hkv] float32, quantized pools only (value = k * scale)
-    v_scales: jax.Array | None = None  # [NB, BS, Hkv] float32
+    k: jax.Array  # [NB, BS, Hkv, D] storage dtype, keys after RoPE; int4: [NB, BS, Hkv, D / 2] uint8, packed
+    v: jax.Array  # [NB, BS, Hkv, D] (int4: D / 2)
+    k_scales: jax.Array | None = None  # [NB, BS, Hkv] float32, quantized pools only (value = k * scale);
+    #                                    int4: [NB, BS, Hkv, D / 32] float16, one per group of 32 (kv_quant)
+    v_scales: jax.Array | None = None  # like k_scales
     scores: jax.Array | None = None  # [NB, BS, Hkv] float32 global score (compression with use_global_score)
 
     @property

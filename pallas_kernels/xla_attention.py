@@ -3,6 +3,7 @@
 Layouts (one layer):
   q:            [B, C, Hq, D]            C tokens per row, Hq = G * Hkv
   k_pool/v_pool [num_pages, P, Hkv, D]   keys stored after RoPE; page 0 is the dummy page
+                                         (int4: [num_pages, P, Hkv, D / 2] packed, see below)
   block_tables: [B, W] int32             pages of each row, padded with the dummy page 0
   kv_lens:      [B, C] int32             pool slots token c may see (its own slot index + 1:
                                          causal); 0 for padding -> zeros
@@ -19,9 +20,10 @@ donated pools loop-carried state: read by the loop and written after it, XLA wou
 pool once per layer and per step to keep the loop's operands apart from the in-place write.
 Rows of one sequence laid over several rows of the same step see each other through the pool.
 
-Quantized pools (int8 / float8_e4m3fn with per-token scales, `kv_quant`): pass `k_scales` and
-`v_scales` [num_pages, P, Hkv] float32; new K/V are quantized when written and the gathered
-tiles are dequantized before the dots.
+Quantized pools (`kv_quant`): int8 / float8_e4m3fn with `k_scales`, `v_scales` [num_pages, P, Hkv]
+float32, or int4 packed into [num_pages, P, Hkv, D / 2] uint8 with `k_scales`, `v_scales`
+[num_pages, P, Hkv, D / 32] float16; new K/V are quantized when written and the gathered tiles
+are dequantized (unpacked) before the dots.
 GQA is a grouped einsum: KV heads are never repeated.
 """
 
@@ -55,9 +57,10 @@ def check_paged_inputs(q_heads: int, head_dim: int, k_pool: jax.Array, v_pool: j
                          f"got {k_pool.shape} and {v_pool.shape}")
     if k_pool.dtype != v_pool.dtype:
         raise ValueError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")
-    _, _, num_kv_heads, pool_head_dim = k_pool.shape
-    if pool_head_dim != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != pool head_dim {pool_head_dim}")
+    _, _, num_kv_heads, stored_dim = k_pool.shape
+    if stored_dim != kv_quant.pool_dim(head_dim, k_pool.dtype):
+        raise ValueError(f"q head_dim {head_dim} does not fit a {k_pool.dtype} pool of last axis {stored_dim} "
+                         f"(expected {kv_quant.pool_dim(head_dim, k_pool.dtype)})")
     if q_heads % num_kv_heads:
         raise ValueError(f"query heads {q_heads} are not a multiple of kv heads {num_kv_heads}")
     if block_tables.ndim != 2 or block_tables.shape[0] != batch:
@@ -96,7 +99,7 @@ def scatter_rows(pool: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Arra
 
 
 def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype) -> jax.Array:
-    # pages: [B, S] -> [B, S * P, Hkv, D]; a flat index list gathers faster on XLA's CPU
+    # pages: [B, S] -> [B, S * P, Hkv, D] (unpacked for int4); a flat index list gathers faster on XLA's CPU
     # backend than a [B, S] index array (whole pages copied as rows)
     flat = pages.reshape(-1)
     x = pool[flat]
@@ -154,7 +157,7 @@ def paged_attention(q: jax.Array, pools: KVPool, block_tables: jax.Array, kv_len
 
     Args:
       q: [B, C, Hq, D] queries (rotated).
-      pools: the layer's pools, [num_pages, P, Hkv, D] each (plus scales when quantized).
+      pools: the layer's pools, [num_pages, P, Hkv, D] each (int4: D / 2) plus scales when quantized.
       block_tables: [B, W] int32 pages, padded with the dummy page 0.
       kv_lens: [B, C] int32, slots each token sees (0: padding token, zero output).
       new_kv: this step's K/V and their slots, written into the pools before any read.

@@ -38,7 +38,8 @@ class EngineConfig:
     eviction_policy: str = DEFAULT_POLICY  # compress/policies.py; SamplingParams.eviction_policy overrides it
     sink_len: int | None = None  # protected first tokens; None: each policy's own (zipage 0, others 4)
     recent_fraction: float | None = None  # window policies: share of the budget kept as the most recent tokens
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "fp8" (e4m3): per-token scales
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "fp8" (e4m3): per-token scales;
+    # "int4": packed, a float16 scale per 32 elements; head_dim % 64 == 0, checked when the engine plans its pool
     profile_compaction: bool = False  # time each compaction alone (it then blocks on the device)
     enable_hybrid_engine: bool = True
     max_compress_seqs: int = 8  # sequences compacted in one step

@@ -1,5 +1,6 @@
 """Compaction (Pallas interpret vs jnp vs a numpy twin) and the whole compression step."""
 
+import dataclasses
 import warnings
 
 import jax
@@ -83,6 +84,23 @@ def test_compact_adversarial_patterns_match_reference_and_twin(dtype, block_size
     # keys; wide values (chunks of 16 < BS at BS 64); per-token scales; a float32 score cache
     pools = [_random_pool(rng, shape + (16,), dtype), _random_pool(rng, shape + (512,), dtype),
              _random_pool(rng, shape, dtype), _random_pool(rng, shape, jnp.float32)]
+    _assert_patterns_move_every_pool(pools, block_size)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_compact_int4_pools_match_reference_and_twin(head_dim, block_size):
+    # packed int4 keys and values [.., D / 2] uint8, their float16 group scales [.., D / 32], the score cache
+    rng = np.random.default_rng(head_dim + block_size)
+    shape = (num_pool_blocks(SEQS, WIDTH, BUDGET), block_size, NUM_KV_HEADS)
+    packed = [_random_pool(rng, shape + (head_dim // 2,), jnp.uint8) for _ in range(2)]
+    scales = [_random_pool(rng, shape + (head_dim // 32,), jnp.float16) for _ in range(2)]
+    _assert_patterns_move_every_pool([*packed, *scales, _random_pool(rng, shape, jnp.float32)], block_size)
+
+
+def _assert_patterns_move_every_pool(pools, block_size):
+    """Every keep pattern: the Pallas kernel (interpreted) and the reference move each pool bit for
+    bit as the numpy twin does."""
     device_pools = [jnp.asarray(p) for p in pools]
     cases = [(name, 0) for name in PATTERNS] + [("random", seed) for seed in range(1, 7)]
     for name, seed in cases:
@@ -187,6 +205,39 @@ def test_compress_step_moves_quantization_scales_with_their_tokens():
     # the scores used the dequantized keys: the same keep as scoring the dequantized pools
     dk, dv = kv_quant.dequantize(kq, ks, jnp.float32), kv_quant.dequantize(vq, vs, jnp.float32)
     _, plain = one_layer(KVPool(dk, dv), query_caches[0], *rest)
+    np.testing.assert_array_equal(np.asarray(plain.keep), keep)
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
+def test_compress_step_moves_int4_bytes_and_group_scales_with_their_tokens(backend):
+    """An int4 pool (head_dim 64: packed [.., 32] uint8, float16 scales [.., 2]) and the float32
+    score cache through the whole step: bytes and scales move bit for bit with their tokens."""
+    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, scoring=scoring(use_global_score=True))
+    case = make_case(8, cfg, 2)
+    rng = np.random.default_rng(8)
+
+    def widen(x):  # [..., 16] -> [..., 64]: the case's channels and three noisy copies
+        copies = [x + 0.5 * rng.standard_normal(x.shape).astype(x.dtype) for _ in range(3)]
+        return np.concatenate([x, *copies], axis=-1)
+
+    case = dataclasses.replace(case, k_pool=widen(case.k_pool), v_pool=widen(case.v_pool),
+                               query_cache=widen(case.query_cache))
+    k, v = (jnp.asarray(np.nan_to_num(x), jnp.float32) for x in (case.k_pool, case.v_pool))
+    (kq, ks), (vq, vs) = kv_quant.quantize(k, jnp.uint8), kv_quant.quantize(v, jnp.uint8)
+    assert (kq.shape[-1], ks.shape[-1], ks.dtype) == (32, 2, jnp.float16)
+    pools = [KVPool(kq, vq, ks, vs, scores=jnp.asarray(np.nan_to_num(case.score_cache)))]
+    out = compress(*compress_args(case, cfg, pools), backend=backend)[0]
+    query_caches, *rest = compress_args(case, cfg)[1:]
+    one_layer = jax.jit(compress_layer, static_argnames=("cfg", "backend"))
+    reference, stages = one_layer(pools[0], query_caches[0], *rest)
+    keep = np.asarray(stages.keep)
+    targets = case.target_tables[:, : cfg.budget_blocks]
+    for moved, before in ((out.k, kq), (out.v, vq), (out.k_scales, ks), (out.v_scales, vs)):
+        assert _same_bits(moved, _twin(np.asarray(before), keep, case.block_tables, targets))
+    np.testing.assert_allclose(np.asarray(out.scores), np.asarray(reference.scores), rtol=0, atol=1e-6)
+    # the scores used the unpacked, dequantized keys: the same keep as scoring the dequantized pools
+    dk, dv = kv_quant.dequantize(kq, ks, jnp.float32), kv_quant.dequantize(vq, vs, jnp.float32)
+    _, plain = one_layer(KVPool(dk, dv, scores=pools[0].scores), query_caches[0], *rest)
     np.testing.assert_array_equal(np.asarray(plain.keep), keep)
 
 

@@ -5,7 +5,7 @@ embed, a group of layers, head; decode rows [B, 1], prefill rows [R, C]) and `_c
 (one layer), traced with abstract arguments of the runner's shapes and
 lowered for ("cuda",) under abstract H200s: a 2-layer random decoder of the default model's
 shape (SmolLM2-135M: 9 / 3 heads, head dim 64) and of Qwen3-8B's (32 / 8 heads, head dim 128),
-bfloat16 and float32, blocks of 16 and 256 tokens, model-dtype and int8 pools, one device
+bfloat16 and float32, blocks of 16 and 256 tokens, model-dtype, int8 and int4 pools, one device
 and a `tp` mesh of abstract devices (3 for 3 kv heads, 2 for 8, and 16 for 8 repeated twice:
 the Pallas kernels under shard_map see one shard's heads). Decode rows attend with the Pallas decode kernel, prefill
 rows with XLA; compression scores and compacts with Pallas. This runs the Triton lowering
@@ -65,7 +65,7 @@ class Case:
     model: str
     dtype: str  # the model's
     block_size: int
-    kv_cache_dtype: str  # "auto" | "int8"
+    kv_cache_dtype: str  # "auto" | "int8" | "int4"
     tp: int  # 1: one device
 
     @property
@@ -76,9 +76,10 @@ class Case:
 DEFAULT_CASES = {  # the default suite's share of the grid
     Case("qwen3-8b", "bfloat16", 16, "int8", 2),
     Case("smollm2-135m", "float32", 256, "auto", 1),
+    Case("smollm2-135m", "bfloat16", 16, "int4", 3),
 }
 GRID = [Case(model, dtype, bs, kv, tp) for model, (_, tp_size) in MODELS.items() for dtype in ("bfloat16", "float32")
-        for bs in (16, 256) for kv in ("auto", "int8") for tp in (1, tp_size)]
+        for bs in (16, 256) for kv in ("auto", "int8", "int4") for tp in (1, tp_size)]
 GRID += [Case("qwen3-8b", "bfloat16", bs, "int8", 16) for bs in (16, 256)]  # 8 kv heads, each on 2 devices
 
 
@@ -150,7 +151,7 @@ class Engine:
         layer = KVState(self.state.kv.pools[:1], self.state.kv.queries[:1])
         return lower_for_h200(_compress, layer, self._ints(b, w), self._ints(b), self._ints(b),
                               self._ints(b, dtype=bool), self._ints(b, w), rows, mesh=self.mesh, cfg=cfg,
-                              backend=Backend.PALLAS, tp=self.tp)
+                              backend=Backend.PALLAS, tp=self.tp, rope=())
 
     # -- what the kernels must see --------------------------------------------------------
 
@@ -164,9 +165,11 @@ class Engine:
 
     def count_pools(self, operands, dtype: str | None = None) -> tuple[int, int]:
         """(pools [.., Hkv/N, D], per-token arrays [.., Hkv/N]) among a kernel's operands (of `dtype`)."""
-        picked = [shape for shape, t in operands if dtype is None or t == dtype]
-        return (sum(self.pool_like(s, self.cfg.head_dim) for s in picked),
-                sum(self.pool_like(s) for s in picked))
+        return self.count_like(operands, dtype, self.cfg.head_dim), self.count_like(operands, dtype)
+
+    def count_like(self, operands, dtype: str | None, *trailing: int) -> int:
+        """Operands (of `dtype`) shaped like one shard's pool [..tokens.., Hkv / N, *trailing]."""
+        return sum(self.pool_like(s, *trailing) for s, t in operands if dtype is None or t == dtype)
 
     def check_partitions(self, text: str) -> None:
         assert f"mhlo.num_partitions = {self.case.tp} " in text
@@ -191,6 +194,7 @@ def _tensor_type(text: str) -> tuple[tuple[int, ...], str]:
 
 
 _MLIR_DTYPES = {"bfloat16": "bf16", "float32": "f32", "int8": "i8"}
+INT4_GROUP = 32
 
 
 @pytest.mark.parametrize("case", _params(GRID))
@@ -201,7 +205,12 @@ def test_decode_step_lowers_with_the_pallas_kernel_per_shard(case):
     calls = triton_calls(text)  # the layers' calls share one outlined kernel
     assert {name.split("_block")[0] for name, _ in calls} == {"paged_decode"}, calls
     quantized = kv_quant.is_quantized(engine.kv_dtype)
+    groups = engine.cfg.head_dim // INT4_GROUP
     for _, operands in calls:  # one shard's heads; a quantized pool's scales go with it
+        if kv_quant.is_int4(engine.kv_dtype):  # an operand per 32-element group (k and v: per packed pair)
+            assert engine.count_like(operands, "ui8", groups // 2, INT4_GROUP) == groups, operands
+            assert engine.count_like(operands, "f16", groups) == 2 * groups, operands
+            continue
         assert engine.count_pools(operands, _MLIR_DTYPES[engine.kv_dtype.name]) == (2, 0), operands
         assert engine.count_pools(operands, "f32")[1] == (2 if quantized else 0), operands
 
@@ -223,9 +232,15 @@ def test_compress_step_lowers_with_the_pallas_kernels_per_shard(case):
     assert set(calls) == {"zipage_attention_score", "zipage_compact"}, calls
     # its one collective: with repeated kv heads, the gather of each copy's query group
     assert ("stablehlo.all_gather" in text) == (engine.tp is not None and engine.tp.kv_repeats > 1)
-    # compaction moves k, v and the per-token arrays (score cache, scales) as bits, one shard's heads
-    per_token = 1 + 2 * kv_quant.is_quantized(engine.kv_dtype)
-    assert engine.count_pools(calls["zipage_compact"]) == (2, per_token), calls["zipage_compact"]
+    # compaction moves k, v and the per-token arrays (score cache, scales) as bits, one shard's heads;
+    # int4: packed k, v [.., D / 2] and group scales [.., D / 32]
+    compacted = calls["zipage_compact"]
+    if kv_quant.is_int4(engine.kv_dtype):
+        d = engine.cfg.head_dim
+        assert [engine.count_like(compacted, None, *t) for t in [(d // 2,), (), (d // INT4_GROUP,)]] == [2, 1, 2]
+    else:
+        per_token = 1 + 2 * kv_quant.is_quantized(engine.kv_dtype)
+        assert engine.count_pools(compacted) == (2, per_token), compacted
     # scoring reads the keys: the pool, or (quantized) the batch's blocks gathered and dequantized
     keys = [s for s, _ in calls["zipage_attention_score"] if s[-3:] == (case.block_size, engine.cfg.num_kv_heads
                                                                         // case.tp, engine.cfg.head_dim)]

@@ -144,21 +144,31 @@ def test_tp2_steady_workload_never_recompiles(tp2):
     assert tp2["repeat_identical"]
 
 
-# -- TP=2 with an int8 pool ---------------------------------------------------------------------
+# -- TP=2 with quantized pools ----------------------------------------------------------------
 
 
-def check_int8_report(report: dict) -> None:
-    """An int8 pool under TP: tokens equal one device's int8 tokens, with full KV and compressed,
-    and a second run's; the scales are split on kv heads like the pool."""
+@pytest.fixture(scope="module")
+def model_d64(tiny_model_factory) -> Path:
+    """qwen3, 4 query / 2 kv heads of head_dim 64: an int4 pool packs 32 bytes and 2 scales per token and head."""
+    return tiny_model_factory("qwen3", head_dim=64)
+
+
+def check_quantized_report(report: dict, kv_cache_dtype: str = "int8", head_dim: int = 16) -> None:
+    """A quantized pool under TP: tokens equal one device's tokens at that dtype, with full KV and
+    compressed, and a second run's; the scales are split on kv heads like the pool (int8:
+    [NB, BS, Hkv] float32; int4: packed [.., D / 2] uint8, scales [NB, BS, Hkv, D / 32] float16)."""
     assert report["full_identical"] and report["compressed_identical"], report["tokens"]
     assert report["repeat_identical"] and report["compiles_in_steady_state"] == 0
     assert report["compressions_tp2"] == report["compressions_tp1"] > 0
     s = report["shardings"]
-    assert (s["kv.k[0]"]["dtype"], s["kv.k[0]"]["shard_shape"]) == ("int8", [64, 16, 1, 16])
+    int4 = kv_cache_dtype == "int4"
+    pool = ("uint8", [64, 16, 1, head_dim // 2]) if int4 else ("int8", [64, 16, 1, head_dim])
+    scales = ("float16", [64, 16, 1, head_dim // 32]) if int4 else ("float32", [64, 16, 1])
+    assert (s["kv.k[0]"]["dtype"], s["kv.k[0]"]["shard_shape"]) == pool
     for name in ("kv.k_scales[0]", "kv.v_scales[0]"):
         entry = s[name]
         assert (entry["spec"], entry["shard_shape"], entry["devices"], entry["dtype"]) == \
-            ([None, None, "tp"], [64, 16, 1], 2, "float32"), name
+            ([None, None, "tp"], scales[1], 2, scales[0]), name
     assert_two_all_reduces_per_layer(report)
     assert_compression_has_no_collective(report)
 
@@ -166,8 +176,17 @@ def check_int8_report(report: dict) -> None:
 @pytest.mark.slow
 def test_tp2_int8_pool_equals_tp1_int8_full_and_compressed(model_6_2, cache_dir):
     # Scales are per token per kv head, computed where the head lives: TP quantizes as one device does.
-    check_int8_report(run_worker(model_6_2, 2, cache_dir, "--kv-cache-dtype", "int8", "--max-tokens", "60",
-                                 "--num-prompts", "2"))
+    check_quantized_report(run_worker(model_6_2, 2, cache_dir, "--kv-cache-dtype", "int8", "--max-tokens", "60",
+                                      "--num-prompts", "2"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
+def test_tp2_int4_pool_equals_tp1_int4_full_and_compressed(model_d64, cache_dir, backend):
+    # Group scales [NB, BS, Hkv, D / 32] split on kv heads with the packed pool, through the decode
+    # kernel's shard_map too (pallas-interpret).
+    check_quantized_report(run_worker(model_d64, 2, cache_dir, "--backend", backend, "--kv-cache-dtype", "int4",
+                                      "--max-tokens", "60", "--num-prompts", "2"), "int4", head_dim=64)
 
 
 # -- sizes, devices, kv head repetition (this process, one device) -----------------------------
@@ -276,8 +295,8 @@ def test_pallas_kernels_under_shard_map_interpreted(model_6_2, cache_dir):
 @pytest.mark.slow
 def test_pallas_kernels_under_shard_map_interpreted_int8_pool(model_6_2, cache_dir):
     # The decode kernel's k_scales / v_scales go through shard_map split on kv heads, like the pools.
-    check_int8_report(run_worker(model_6_2, 2, cache_dir, "--backend", "pallas-interpret", "--kv-cache-dtype",
-                                 "int8", "--max-tokens", "60", "--num-prompts", "2"))
+    check_quantized_report(run_worker(model_6_2, 2, cache_dir, "--backend", "pallas-interpret", "--kv-cache-dtype",
+                                      "int8", "--max-tokens", "60", "--num-prompts", "2"))
 
 
 # -- two processes over jax.distributed (gloo collectives on CPU) -----------------------------

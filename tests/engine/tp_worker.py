@@ -1,7 +1,7 @@
 """Tensor-parallel checks in a Python of their own, with 4 host devices (run by test_tensor_parallel.py).
 
     python tests/engine/tp_worker.py MODEL TP [--max-tokens 100] [--kv-budget 32] [--num-prompts 4] [--backend B]
-        [--kv-cache-dtype auto|int8|fp8]
+        [--kv-cache-dtype auto|int8|fp8|int4]
 
 Greedy tokens with TP and with one device, full KV and compressed (a per-request kv_budget),
 then what the sharded engine looks like: parameter and KV shardings, the collectives in the
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--kv-budget", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
-    parser.add_argument("--kv-cache-dtype", default="auto", help="the pools of both engines: auto, int8 or fp8")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the pools of both engines: auto, int8, fp8 or int4")
     parser.add_argument("--backend", default="xla", help="the TP engine's attention backend (pallas-interpret: "
                         "the Pallas kernels under shard_map, interpreted)")
     args = parser.parse_args()

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from h200 import lower_for_h200
+from pallas_kernels.kv_pool import KVPool
 from pallas_kernels.kv_quant import dequantize, quantize
 from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+from pallas_kernels.xla_attention import paged_attention
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -20,7 +22,7 @@ NUM_KV_HEADS = 2
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
-def make_paged_kv(rng, dtype, block_size, width, lengths):
+def make_paged_kv(rng, dtype, block_size, width, lengths, head_dim=HEAD_DIM):
     """Pool with each row's pages at random distinct blocks; every unused slot is NaN.
 
     Returns (k_pool, v_pool, block_tables, contiguous k, contiguous v) with the contiguous
@@ -28,15 +30,15 @@ def make_paged_kv(rng, dtype, block_size, width, lengths):
     """
     batch = len(lengths)
     num_blocks = 1 + batch * width  # block 0: the dummy block
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
     k_pool = np.full(shape, np.nan, np.float32)
     v_pool = np.full(shape, np.nan, np.float32)
     free = list(rng.permutation(np.arange(1, num_blocks)))
     block_tables = np.zeros((batch, width), np.int32)
     ks, vs = [], []
     for b, length in enumerate(lengths):
-        k = rng.standard_normal((length, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
-        v = rng.standard_normal((length, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
+        k = rng.standard_normal((length, NUM_KV_HEADS, head_dim)).astype(np.float32)
+        v = rng.standard_normal((length, NUM_KV_HEADS, head_dim)).astype(np.float32)
         for j in range(-(-length // block_size)):
             block = block_tables[b, j] = free.pop()
             rows = slice(j * block_size, (j + 1) * block_size)
@@ -150,9 +152,10 @@ def test_kernel_lowers_for_triton(dtype, head_dim, block_size, num_kv_heads, q_h
     assert "__gpu$xla.gpu.triton" in text
 
 
-def quantized_case(seed, pool_dtype, q_dtype, block_size, group, width, lengths):
-    """A quantized pool (unused slots: NaN scales, NaN e4m3 values) and a bound on how far the
-    attention over it may lie from float64 attention over the unquantized K/V.
+def quantized_case(seed, pool_dtype, q_dtype, block_size, group, width, lengths, head_dim=HEAD_DIM):
+    """A quantized pool (unused slots: NaN scales, NaN e4m3 values, int8 -128, int4 nibbles 0 = -8)
+    and a bound on how far the attention over it may lie from float64 attention over the
+    unquantized K/V.
 
     Returns (q, k_pool, v_pool, tables, lens), (k_scales, v_scales), expected [B, Hq, D], and
     bound [B, Hq, D]. The bound is derived from the round-trip bound |k - k~| <= dk per
@@ -160,19 +163,19 @@ def quantized_case(seed, pool_dtype, q_dtype, block_size, group, width, lengths)
     move by at most exp(2E) - 1 in L1, and the output by (exp(2E) - 1) max|v| + max dv.
     """
     rng = np.random.default_rng(seed)
-    k_pool, v_pool, tables, ks, vs = make_paged_kv(rng, jnp.float32, block_size, width, lengths)
-    q = jnp.asarray(rng.standard_normal((len(lengths), group * NUM_KV_HEADS, HEAD_DIM)), q_dtype)
-    unused = np.isnan(np.asarray(k_pool)).any(axis=-1)  # [num_blocks, BS, Hkv]
-    garbage = jnp.asarray(-128 if pool_dtype == jnp.int8 else np.nan, pool_dtype)
+    k_pool, v_pool, tables, ks, vs = make_paged_kv(rng, jnp.float32, block_size, width, lengths, head_dim)
+    q = jnp.asarray(rng.standard_normal((len(lengths), group * NUM_KV_HEADS, head_dim)), q_dtype)
+    unused = np.isnan(np.asarray(k_pool)).any(axis=-1)[..., None]  # [num_blocks, BS, Hkv, 1]
+    garbage = jnp.asarray({jnp.int8: -128, jnp.uint8: 0}.get(pool_dtype, np.nan), pool_dtype)
     (kq, k_scales), (vq, v_scales) = [
-        (jnp.where(unused[..., None], garbage, x_q), jnp.where(unused, np.nan, x_scale))
+        (jnp.where(unused, garbage, x_q), jnp.where(unused if x_scale.ndim == 4 else unused[..., 0], np.nan, x_scale))
         for x_q, x_scale in (quantize(jnp.nan_to_num(pool), pool_dtype)
                              for pool in (k_pool, v_pool))]
     q64 = np.asarray(q, np.float64)
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     expected, bound = [], []
     for b in range(len(lengths)):
-        qg = q64[b].reshape(NUM_KV_HEADS, group, HEAD_DIM)
+        qg = q64[b].reshape(NUM_KV_HEADS, group, head_dim)
         expected.append(naive_attention(q64[b], ks[b], vs[b], scale))
         if not lengths[b]:
             bound.append(np.zeros_like(q64[b]))
@@ -188,6 +191,10 @@ def quantized_case(seed, pool_dtype, q_dtype, block_size, group, width, lengths)
 
 def round_trip_bound(x, pool_dtype):
     # x: [L, Hkv, D] float64; the per-element quantization error bound (tests/kernels/test_kv_quant.py)
+    if pool_dtype == jnp.uint8:  # int4: half the float16-rounded scale of each group of 32
+        groups = np.abs(x).reshape(*x.shape[:-1], -1, 32)
+        amax = np.maximum(groups.max(axis=-1, keepdims=True) / 14 * (1 + 2.0**-11), 2.0**-15)
+        return np.broadcast_to(amax, groups.shape).reshape(x.shape)
     amax = np.abs(x).max(axis=-1, keepdims=True)
     if pool_dtype == jnp.int8:
         return np.broadcast_to(amax / 254, x.shape)
@@ -247,6 +254,62 @@ def test_quantized_kernel_lowers_for_triton(pool_dtype, head_dim, block_size):
     assert "__gpu$xla.gpu.triton" in text
 
 
+INT4_CASES = [  # head dim, block size, group, q dtype, block_k
+    (64, 16, 1, jnp.float32, 128),
+    (128, 32, 3, jnp.bfloat16, 16),  # 32-token blocks read as 16-token pages, scales split with them
+    (64, 32, 4, jnp.bfloat16, 128),
+    (128, 16, 4, jnp.float32, 32),
+]
+INT4_GRID = [pytest.param(*case, marks=pytest.mark.slow)
+             for case in itertools.product([64, 128], [16, 32], [1, 3, 4], [jnp.float32, jnp.bfloat16], [16, 128])
+             if case not in INT4_CASES]
+
+
+@pytest.mark.parametrize("head_dim, block_size, group, q_dtype, block_k", INT4_CASES + INT4_GRID)
+def test_kernel_int4_pool(head_dim, block_size, group, q_dtype, block_k):
+    width = 4
+    args, (k_scales, v_scales), expected, bound = quantized_case(
+        8, jnp.uint8, q_dtype, block_size, group, width, ragged_lengths(block_size, width), head_dim)
+    q, kq, vq, tables, lens = args
+    assert kq.shape[-1] == head_dim // 2 and k_scales.shape[-1] == head_dim // 32
+    out = paged_decode_attention(*args, k_scales=k_scales, v_scales=v_scales, interpret=True, block_k=block_k)
+    assert out.shape == q.shape and out.dtype == q_dtype
+    out64 = np.asarray(out, np.float64)
+    assert np.isfinite(out64).all()
+    np.testing.assert_array_equal(out64[0], 0.0)  # padding row
+    # tight: the XLA path over the same int4 pool (it unpacks and dequantizes the gathered pages)
+    ref, _ = paged_attention(q[:, None], KVPool(kq, vq, k_scales, v_scales), tables, lens[:, None])
+    np.testing.assert_allclose(out64, np.asarray(ref[:, 0], np.float64),
+                               atol=TOLERANCE[q_dtype], rtol=TOLERANCE[q_dtype])
+    # loose: within the quantization error of attention over the unquantized K/V
+    err = np.abs(out64 - expected)
+    assert (err <= bound + TOLERANCE[q_dtype]).all(), (err - bound).max()
+
+
+@pytest.mark.parametrize("head_dim, block_size, tuning", [(64, 16, {}), (128, 256, {"block_k": 64, "k_splits": 4})])
+def test_int4_kernel_lowers_for_triton(head_dim, block_size, tuning):
+    batch, width, num_kv_heads, q_heads = 8, 4, 4, 12
+    q = jax.ShapeDtypeStruct((batch, q_heads, head_dim), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((1 + batch * width, block_size, num_kv_heads, head_dim // 2), jnp.uint8)
+    scales = jax.ShapeDtypeStruct((*pool.shape[:3], head_dim // 32), jnp.float16)
+    tables = jax.ShapeDtypeStruct((batch, width), jnp.int32)
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    text = lower_for_h200(paged_decode_attention, q, pool, pool, tables, lens, k_scales=scales, v_scales=scales,
+                          **tuning)
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_int4_bad_inputs_raise():
+    (q, kq, vq, tables, lens), (ks, vs), _, _ = quantized_case(9, jnp.uint8, jnp.float32, 16, 2, 2, [3, 4], 64)
+    call = functools.partial(paged_decode_attention, interpret=True)
+    with pytest.raises(ValueError, match="k_scales must be float16"):
+        call(q, kq, vq, tables, lens, k_scales=ks[..., 0].astype(jnp.float32), v_scales=vs)
+    with pytest.raises(ValueError, match="does not fit"):  # a head_dim 128 query on a head_dim 64 pool
+        call(jnp.concatenate([q, q], axis=-1), kq, vq, tables, lens, k_scales=ks, v_scales=vs)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        call(q[..., :32], kq[..., :16], vq[..., :16], tables, lens, k_scales=ks[..., :1], v_scales=vs[..., :1])
+
+
 def test_quantized_bad_inputs_raise():
     (q, kq, vq, tables, lens), (ks, vs), _, _ = quantized_case(7, jnp.int8, jnp.float32, 16, 2,
                                                                2, [3, 4])
@@ -255,7 +318,7 @@ def test_quantized_bad_inputs_raise():
         call(q, kq, vq, tables, lens, k_scales=ks)
     with pytest.raises(ValueError, match="needs k_scales"):
         call(q, kq, vq, tables, lens)
-    with pytest.raises(ValueError, match="need an int8 or float8_e4m3fn pool"):
+    with pytest.raises(ValueError, match="need an int8, float8_e4m3fn or uint8"):
         call(q, kq.astype(jnp.float32), vq.astype(jnp.float32), tables, lens, k_scales=ks,
              v_scales=vs)
     with pytest.raises(ValueError, match="v_scales must be float32"):

@@ -8,7 +8,7 @@ import pytest
 from pallas_kernels import kv_quant
 from pallas_kernels.kv_pool import KVPool
 from pallas_kernels.xla_attention import NewKV, paged_attention
-from test_paged_attention import HEAD_DIM, NUM_KV_HEADS, make_paged_kv, naive_attention
+from test_paged_attention import HEAD_DIM, NUM_KV_HEADS, make_paged_kv, naive_attention, round_trip_bound
 
 
 def make_chunk(seed, dtype, block_size, group, width, prefix_lens, new_lens, chunk):
@@ -96,12 +96,14 @@ def test_writing_in_the_loop_copies_no_pool():
     assert copies == []
 
 
-@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
-def test_quantized_pools_attend_like_their_dequantized_values(kv_dtype):
+@pytest.mark.parametrize("kv_dtype, head_dim", [(jnp.int8, HEAD_DIM), (jnp.float8_e4m3fn, HEAD_DIM), (jnp.uint8, 64),
+                                                (jnp.uint8, 128)])
+def test_quantized_pools_attend_like_their_dequantized_values(kv_dtype, head_dim):
     # writing through a quantized pool = quantize, then attend over the dequantized pool
+    # (uint8: packed int4 [.., D / 2] with float16 scales [.., D / 32])
     rng = np.random.default_rng(5)
     block_size, group, prefix, chunk = 16, 3, 9, 4
-    k_pool, v_pool, tables, ks, vs = make_paged_kv(rng, jnp.float32, block_size, 3, [prefix + chunk])
+    k_pool, v_pool, tables, ks, vs = make_paged_kv(rng, jnp.float32, block_size, 3, [prefix + chunk], head_dim)
     k_pool = np.nan_to_num(np.asarray(k_pool))
     v_pool = np.nan_to_num(np.asarray(v_pool))
     kq, ksc = kv_quant.quantize(jnp.asarray(k_pool), kv_dtype)
@@ -110,19 +112,20 @@ def test_quantized_pools_attend_like_their_dequantized_values(kv_dtype):
     flat = (tables[0][slots // block_size] * block_size + slots % block_size)[None].astype(np.int32)
     new_k = jnp.asarray(ks[0][prefix:][None], jnp.float32)
     new_v = jnp.asarray(vs[0][prefix:][None], jnp.float32)
-    q = jnp.asarray(rng.standard_normal((1, chunk, group * NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((1, chunk, group * NUM_KV_HEADS, head_dim)), jnp.float32)
     kv_lens = jnp.asarray((slots + 1)[None], jnp.int32)
     out, pools = paged_attention(q, KVPool(kq, vq, ksc, vsc), jnp.asarray(tables), kv_lens,
                                  NewKV(jnp.asarray(flat), new_k, new_v))
-    assert pools.k.dtype == kv_dtype and pools.k_scales.dtype == jnp.float32
+    assert pools.k.dtype == kv_dtype and pools.k.shape[-1] == kv_quant.pool_dim(head_dim, kv_dtype)
+    assert pools.k_scales.dtype == kv_quant.scales_dtype(kv_dtype) and pools.k_scales.shape == ksc.shape
     dk = kv_quant.dequantize(pools.k, pools.k_scales, jnp.float32)
     dv = kv_quant.dequantize(pools.v, pools.v_scales, jnp.float32)
     expected, _ = paged_attention(q, KVPool(dk, dv), jnp.asarray(tables), kv_lens)
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5, rtol=1e-5)
     # and the new tokens were quantized on the way in: within the round-trip bound
-    got_k = np.asarray(dk).reshape(-1, NUM_KV_HEADS, HEAD_DIM)[flat[0]]
-    bound = np.abs(np.asarray(new_k[0])).max(axis=-1, keepdims=True) * (1 / 254 if kv_dtype == jnp.int8 else 2**-4)
-    assert (np.abs(got_k - np.asarray(new_k[0])) <= bound + 1e-6).all()
+    got_k = np.asarray(dk).reshape(-1, NUM_KV_HEADS, head_dim)[flat[0]]
+    new_k64 = np.asarray(new_k[0], np.float64)
+    assert (np.abs(got_k - new_k64) <= round_trip_bound(new_k64, kv_dtype) * (1 + 1e-5) + 1e-6).all()
 
 
 def test_bad_inputs_raise():

@@ -168,6 +168,22 @@ def test_pools_of_one_size_in_bytes_for_every_kv_dtype(llama_dir):
     assert by_gb["auto"].blocks == 2**20 // f32 + 1 and by_gb["int8"].blocks == 2**20 // int8 + 1
 
 
+def test_int4_pools_of_the_same_bytes():
+    """--kv-cache-dtype int4 sizes its pool like int8: as many blocks as the default dtype's bytes
+    hold, at 36 bytes a token per kv head for K (and V) at head_dim 64 against 128 in bfloat16."""
+    _, _, _, options = bt.parse_args(["--quick", "--kv-cache-dtype", "int4"])
+    assert options == {"kv_cache_dtype": "int4"}
+    loaded = SimpleNamespace(config=SimpleNamespace(num_layers=2, num_kv_heads=3, head_dim=64),
+                             model=SimpleNamespace(dtype="bfloat16"))
+    workload = bt.Workload(requests=4, prompt_len_min=8, prompt_len_max=24, max_tokens=48, block_size=16,
+                           budget_blocks=1)  # 4 * 2 + 1 blocks of the default dtype
+    pools = bt.size_pools(workload, loaded, ["auto", "int4"])
+    bf16, int4 = (2 * 16 * 3 * 2 * n for n in (128, 36))  # layers * tokens * kv heads * (K and V)
+    assert (pools["auto"].block_bytes, pools["auto"].kv_dtype, pools["auto"].blocks) == (bf16, "bfloat16", 9)
+    assert (pools["int4"].block_bytes, pools["int4"].kv_dtype) == (int4, "uint8")
+    assert pools["int4"].blocks == 8 * bf16 // int4 + 1 == 29 and pools["int4"].bytes <= pools["auto"].bytes
+
+
 def test_kv_dtype_comparison_same_bytes_four_engines(llama_dir, monkeypatch, capsys):
     # the engines are faked: this checks the configs and the comparison, not the timing
     seen = {}

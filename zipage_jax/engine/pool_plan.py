@@ -22,7 +22,7 @@ logger = logging.getLogger("zipage_jax")
 @dataclass(frozen=True)
 class KVPoolPlan:
     block_size: int
-    kv_dtype: np.dtype  # what the pools store (the model's dtype, int8 or float8_e4m3fn)
+    kv_dtype: np.dtype  # what the pools store (the model's dtype, int8, float8_e4m3fn or uint8: packed int4)
     num_kv_heads: int  # per device (tensor parallelism splits them)
     block_bytes: int  # one block of every layer's K and V, scales included
     num_blocks: int  # blocks of the pool, the dummy block 0 included
@@ -41,7 +41,8 @@ class KVPoolPlan:
 
 
 def plan_pool(config: EngineConfig, model: ModelConfig, model_dtype) -> KVPoolPlan:
-    """The pool `config` asks for on this device; ValueError when the platform cannot hold its type."""
+    """The pool `config` asks for on this device; ValueError when the platform cannot hold its type
+    or the model's head_dim does not fit it (int4 needs a multiple of 64)."""
     bs = config.kvcache_block_size
     kv_heads = -(-model.num_kv_heads // config.tensor_parallel_size)
     kv_dtype = kv_quant.kv_storage_dtype(config.kv_cache_dtype, model_dtype)
@@ -62,12 +63,10 @@ def plan_pool(config: EngineConfig, model: ModelConfig, model_dtype) -> KVPoolPl
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_dtype) -> int:
-    """Bytes of one block of the pool, K and V of every layer, with the per-token scales of a
-    quantized pool (one float32 per token per kv head, for K and for V)."""
-    per_token = 2 * num_kv_heads * head_dim * np.dtype(kv_dtype).itemsize
-    if kv_quant.is_quantized(kv_dtype):
-        per_token += 2 * num_kv_heads * 4
-    return num_layers * block_size * per_token
+    """Bytes of one block of the pool, K and V of every layer, with the scales of a quantized pool
+    (kv_quant.token_bytes: int8 / fp8 D + 4 bytes a token and kv head, int4 D / 2 + 2 * D / 32);
+    ValueError for an int4 pool whose head_dim is not a multiple of 64."""
+    return num_layers * block_size * 2 * num_kv_heads * kv_quant.token_bytes(head_dim, kv_dtype)
 
 
 def check_platform_runs(kv_dtype) -> None:

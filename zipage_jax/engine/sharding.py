@@ -5,8 +5,9 @@ Megatron-style layout, expressed as NamedShardings so XLA's SPMD partitioner doe
                              grouped per kv head: a shard holds whole kv heads and their query heads)
   o_proj, down_proj          kernel [in, E] split on in; their outputs are the only all-reduces
   embeddings, norms, biases of o/down                   replicated
-  KV pool k, v [NB, BS, Hkv, D]                          split on Hkv
+  KV pool k, v [NB, BS, Hkv, D] (int4: D / 2 bytes)      split on Hkv
   score cache, quantized pools' scales [NB, BS, Hkv]     split on Hkv
+  int4 pools' group scales [NB, BS, Hkv, D / 32]         split on Hkv
   query cache [slots + 1, QL, Hq, D]                     split on Hq
   sampler state                                          replicated
 Shard s holds kv heads [s*Hkv/N, (s+1)*Hkv/N) and query heads [s*Hq/N, (s+1)*Hq/N): exactly
@@ -44,7 +45,7 @@ TP = "tp"
 _COLUMN_PARALLEL = {"qkv_proj", "gate_proj", "up_proj"}
 _ROW_PARALLEL = {"o_proj", "down_proj"}
 _HEADS = P(None, None, TP, None)  # k, v pools and the query cache: [N0, N1, heads, D]
-_TOKEN_HEADS = P(None, None, TP)  # score cache and quantized pools' scales [NB, BS, Hkv]
+_TOKEN_HEADS = P(None, None, TP)  # score cache and quantized pools' scales [NB, BS, Hkv, *groups]
 
 logger = logging.getLogger("zipage_jax")
 
@@ -120,7 +121,8 @@ class TensorParallel:
 
     def per_shard_decode(self, kernel: Callable) -> Callable:
         """shard_map of a decode kernel(q [B, Hq, D], k_pool, v_pool, block_tables, lens, **scales) -> [B, Hq, D];
-        scales: k_scales, v_scales [NB, BS, Hkv] of a quantized pool, split on Hkv like the pools."""
+        scales: k_scales, v_scales [NB, BS, Hkv] (int4: [NB, BS, Hkv, D / 32]) of a quantized pool, split on Hkv
+        like the pools."""
         q_spec = P(None, TP, None)
 
         def run(q, k_pool, v_pool, block_tables, lens, **scales):

@@ -19,17 +19,21 @@ class KVState(NamedTuple):
     def zeros(cls, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, num_heads: int,
               head_dim: int, num_query_slots: int, query_cache_len: int, dtype, kv_dtype=None,
               global_score: bool) -> "KVState":
-        """dtype: the model's (queries); kv_dtype: the pools' storage (default dtype); int8 or
-        float8 pools get per-token scales."""
+        """dtype: the model's (queries); kv_dtype: the pools' storage (default dtype); quantized
+        pools get their scales (kv_quant: per token for int8 / float8, per token and group of 32
+        for int4, whose pools hold head_dim / 2 bytes)."""
         kv_dtype = jnp.dtype(kv_dtype or dtype)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, block_size, num_kv_heads, kv_quant.pool_dim(head_dim, kv_dtype))  # [NB, BS, Hkv, Dp]
         quantized = kv_quant.is_quantized(kv_dtype)
 
+        scales_shape, scales_dtype = kv_quant.scales_shape(shape, kv_dtype), kv_quant.scales_dtype(kv_dtype)
+
+        def scales() -> jax.Array | None:  # [NB, BS, Hkv] float32, or [NB, BS, Hkv, D / 32] float16 (int4)
+            return jnp.zeros(scales_shape, scales_dtype) if quantized else None
+
         def pool() -> KVPool:
-            per_token = lambda: jnp.zeros(shape[:3], jnp.float32)  # noqa: E731
-            return KVPool(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype),
-                          k_scales=per_token() if quantized else None, v_scales=per_token() if quantized else None,
-                          scores=per_token() if global_score else None)
+            return KVPool(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype), k_scales=scales(),
+                          v_scales=scales(), scores=jnp.zeros(shape[:3], jnp.float32) if global_score else None)
 
         queries = (num_query_slots + 1, query_cache_len, num_heads, head_dim)
         return cls(pools=tuple(pool() for _ in range(num_layers)),
