@@ -17,6 +17,9 @@ written here independently of the engine's kernels; symmetric abs-max, scale = m
                 group of 32 consecutive tokens (KIVI's per-channel keys, symmetric here; a last
                 partial group gets its own scales); values as int4-token. For head dim 64 that is
                 D/32 = 2 scales per key, as int4-token: equal scale bytes.
+  int4-hadamard keys and values: int4-token after an orthonormal Hadamard rotation of the head
+                dim (QuaRot-style; q.k is unchanged when the query is rotated too), which spreads
+                outlier channels over all of them; the same bytes as int4-token.
 int4 scales are rounded to float16 before quantizing, and floored at the scale dtype's smallest
 normal number (as the engine does).
 
@@ -53,7 +56,7 @@ import numpy as np
 DEV_TEXTS = ("argparse.py", "pydoc_data/topics.py")  # eval_quality.STDLIB_TEXTS (the dev split)
 GROUP = 32  # int4: elements per scale (per-token layout), tokens per scale (per-channel layout)
 INT4_QMAX, INT8_QMAX = 7.0, 127.0
-LAYOUTS = ("int8-token", "int4-token", "int4-channel")
+LAYOUTS = ("int8-token", "int4-token", "int4-channel", "int4-hadamard")
 METRICS = ("attn_err", "attn_err_k", "key_err", "value_err")
 
 
@@ -97,6 +100,22 @@ def int4_per_channel(x: np.ndarray, group: int = GROUP) -> np.ndarray:
                            for s in range(0, x.shape[0], group)], axis=0)
 
 
+def hadamard(n: int) -> np.ndarray:
+    """[n, n] orthonormal Hadamard matrix (Sylvester), n a power of two."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    if h.shape[0] != n:
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head dim, got {n}")
+    return h / np.sqrt(n)
+
+
+def int4_hadamard(x: np.ndarray) -> np.ndarray:
+    """x: [T, H, D] -> int4-token round trip in the Hadamard-rotated basis, rotated back."""
+    h = hadamard(x.shape[-1])
+    return int4_per_token(np.asarray(x, np.float32) @ h) @ h.T
+
+
 def quantize(layout: str, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The (keys, values) round trip of one layout (see LAYOUTS)."""
     if layout == "int8-token":
@@ -105,6 +124,8 @@ def quantize(layout: str, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.
         return int4_per_token(k), int4_per_token(v)
     if layout == "int4-channel":
         return int4_per_channel(k), int4_per_token(v)
+    if layout == "int4-hadamard":
+        return int4_hadamard(k), int4_hadamard(v)
     raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
 
 
@@ -112,7 +133,7 @@ def key_bytes(layout: str, head_dim: int, group: int = GROUP) -> float:
     """Bytes one key costs per token per kv head: its values plus its (share of the) scales."""
     if layout == "int8-token":
         return head_dim + 4.0
-    if layout in ("int4-token", "int4-channel"):  # D/2 bytes + D/group float16 scales (per channel: D per group tokens)
+    if layout in ("int4-token", "int4-channel", "int4-hadamard"):  # D/2 bytes + D/group float16 scales (per channel: D per group tokens)
         return head_dim / 2 + 2.0 * head_dim / group
     raise ValueError(f"unknown layout {layout!r}")
 

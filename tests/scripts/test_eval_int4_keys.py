@@ -120,3 +120,12 @@ def test_summary_means_over_texts_then_layers():
     assert s["int4-channel"]["attn_err"] == pytest.approx(0.3) and s["int4-channel"]["max_attn_err"] == pytest.approx(0.4)
     text = ek.markdown(rows, summary, {"model": "m", "texts": ["a", "b"], "length": 8, "queries": 2})
     assert "| int4-channel | 36 | 0.3000 |" in text and "| mean |" in text
+
+
+def test_hadamard_rotation_is_orthonormal_and_spreads_an_outlier_channel():
+    h = ek.hadamard(64)
+    np.testing.assert_allclose(h @ h.T, np.eye(64), atol=1e-6)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 2, 64)).astype(np.float32)
+    x[..., 5] *= 40.0  # one outlier channel: per-token scales waste their range on it
+    assert ek.rel_err(ek.int4_hadamard(x), x) < 0.5 * ek.rel_err(ek.int4_per_token(x), x)
