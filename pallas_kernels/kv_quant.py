@@ -12,8 +12,14 @@ int4 (storage dtype uint8):
                       unpacking is concat([byte & 15, byte >> 4], -1) - 8
   k_scales, v_scales: [num_blocks, BS, Hkv, D / 32] float16, one per token per kv head per group
                       of 32 consecutive elements of the unpacked vector (group g: [32g, 32g + 32))
-  value = q * scale, computed in float32. D must be a multiple of 64, so a group never straddles
-  the two nibble halves.
+  value = q * scale, computed in float32, in a ROTATED basis: int4 stores x @ H, H the
+  orthonormal [D, D] Hadamard matrix (`int4_rotation`: symmetric, its own inverse), and
+  `dequantize` returns (q * scale) @ H. The rotation spreads a key's outlier channels over all
+  of them (QuaRot-style), so one scale per 32 values wastes less of its range; on the dev texts
+  it cuts the attention error of an int4 cache by a third (docs/RESULTS.md). Attention never
+  un-rotates the pool: it rotates the query (q . k = (q @ H) . (k @ H)) and the output
+  (softmax(...) V = (softmax(...) (V @ H)) @ H). D must be a power of two and a multiple of 64,
+  so a group never straddles the two nibble halves.
 
 The scale is symmetric abs-max over the D channels (int4: over the group): scale = max|x| / qmax
 (qmax 127 for int8, 448 for e4m3, 7 for int4), floored at the scale dtype's smallest normal
@@ -24,7 +30,8 @@ float32 subnormal inputs may be flushed to zero (XLA on CPU does).
 
 Round-trip error per element: int8 <= scale / 2 (max|x| / 254); e4m3 <= 2**-4 * |x| for
 normals (half an ulp, 3 mantissa bits) and <= 2**-10 * scale in e4m3's subnormal range;
-int4 <= s / 2 with s the stored float16 scale, and s <= max|x| / 7 * (1 + 2**-11) (float16
+int4 (in the rotated basis, so per rotated element; in the original basis the L2 norm of a
+vector's error is the same) <= s / 2 with s the stored float16 scale, and s <= max|x| / 7 * (1 + 2**-11) (float16
 rounding) unless floored at 2**-14; groups with max|x| > 7 * 65504 (float16's largest scale)
 saturate instead.
 """
@@ -69,10 +76,26 @@ def pool_dim(head_dim: int, dtype: jnp.dtype) -> int:
     """The pool's last-axis size for head vectors of `head_dim`: D / 2 bytes for int4, else D."""
     if not is_int4(dtype):
         return head_dim
-    if head_dim % (2 * INT4_GROUP):
-        raise ValueError(f"kv_cache_dtype 'int4' needs a head_dim that is a multiple of {2 * INT4_GROUP} "
-                         f"(scale groups of {INT4_GROUP} in each nibble half), got {head_dim}")
+    if head_dim % (2 * INT4_GROUP) or head_dim & (head_dim - 1):
+        raise ValueError(f"kv_cache_dtype 'int4' needs a power-of-two head_dim of at least {2 * INT4_GROUP} "
+                         f"(a Hadamard rotation; scale groups of {INT4_GROUP} in each nibble half), got {head_dim}")
     return head_dim // 2
+
+
+def int4_rotation(head_dim: int) -> np.ndarray:
+    """H: [D, D] float32, the orthonormal Hadamard matrix (Sylvester's construction) int4 stores
+    its values in: symmetric and its own inverse (H @ H = I)."""
+    pool_dim(head_dim, _INT4)
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < head_dim:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.float32(math.sqrt(head_dim))
+
+
+def rotate_int4(x: jax.Array) -> jax.Array:
+    """x @ H over the last axis [..., D] in float32: into int4's basis, and back (H is its own inverse)."""
+    h = jnp.asarray(int4_rotation(x.shape[-1]))
+    return jnp.einsum("...d,de->...e", x.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST)
 
 
 def scales_shape(pool_shape: tuple[int, ...], dtype: jnp.dtype) -> tuple[int, ...]:
@@ -106,7 +129,7 @@ def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
 
     Args:
       x: [..., D] floating point, finite (e.g. [T, Hkv, D] new keys after RoPE).
-      dtype: storage dtype, int8, float8_e4m3fn or uint8 (packed int4, D a multiple of 64).
+      dtype: storage dtype, int8, float8_e4m3fn or uint8 (packed int4, D a power of two >= 64).
 
     Returns:
       q: [..., D] in dtype (int8: rounded to nearest, in [-127, 127]; e4m3: rounded to
@@ -131,7 +154,7 @@ def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
 def _quantize_int4(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     # x: [..., D] float32 -> (packed [..., D/2] uint8, scales [..., D/32] float16)
     head_dim = x.shape[-1]
-    pool_dim(head_dim, _INT4)  # ValueError unless D % 64 == 0
+    x = rotate_int4(x)  # ValueError unless D is a power of two >= 64
     groups = x.reshape(*x.shape[:-1], head_dim // INT4_GROUP, INT4_GROUP)  # [..., D/32, 32]
     scale = jnp.clip(jnp.abs(groups).max(axis=-1) / _QMAX[_INT4], float(_F16.smallest_normal), float(_F16.max))
     scale = scale.astype(jnp.float16)  # [..., D/32]; quantize with the stored scale
@@ -141,13 +164,15 @@ def _quantize_int4(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return lo | (hi << 4), scale
 
 
-def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
+def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype, *, rotated: bool = False) -> jax.Array:
     """q * scale in float32, returned in dtype.
 
     Args:
       q: [..., D] int8 or float8_e4m3fn, or [..., D / 2] uint8 (packed int4).
       scale: [...] float32, or [..., D / 32] float16 for int4.
       dtype: output dtype.
+      rotated: int4 only: leave the values in the rotated basis (for attention that rotates its
+        queries and outputs instead, `rotate_int4`).
 
     Returns:
       [..., D] in dtype.
@@ -165,7 +190,8 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
         return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
     values = jnp.concatenate([q & 15, q >> 4], axis=-1).astype(jnp.float32) - 8  # [..., D]
     groups = values.reshape(*scale.shape, INT4_GROUP) * scale.astype(jnp.float32)[..., None]
-    return groups.reshape(values.shape).astype(dtype)
+    values = groups.reshape(values.shape)
+    return (values if rotated else rotate_int4(values)).astype(dtype)
 
 
 def check_kv_scales(k_pool: jax.Array, k_scales: jax.Array | None,

@@ -33,6 +33,8 @@ bytes, whose low nibbles are group j and high nibbles group j + NG / 2 (unpacked
 (x & 15) - 8 and (x >> 4) - 8 in q's dtype); the scales as NG columns [block_k] (float16, used in
 float32). The logits are sum_g (q_g . k_g) s_g, and the output keeps one float32 accumulator per
 group, (p s_g) . v_g, written as NG outputs [block_h, 32] and concatenated outside the kernel.
+The int4 pool holds its values in a Hadamard-rotated basis (kv_quant): the wrapper rotates q
+before the kernel and the output after it, so the kernel never un-rotates a tile.
 
 `paged_decode_attention_reference` is the plain-XLA path the engine uses where Pallas is not
 available (CPU); it is `xla_attention.paged_attention` with one query token.
@@ -50,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kv_pool import KVPool
-from pallas_kernels.kv_quant import INT4_GROUP, check_kv_scales, is_int4
+from pallas_kernels.kv_quant import INT4_GROUP, check_kv_scales, is_int4, rotate_int4
 from pallas_kernels.tiling import next_power_of_two
 from pallas_kernels.xla_attention import check_paged_inputs, paged_attention
 
@@ -226,7 +228,8 @@ def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, *, scal
                           ((0, 0), (0, k_splits * pages_per_split - page_tables.shape[1])))
     page_tables = page_tables.reshape(batch, k_splits, pages_per_split)
 
-    q_tile = q.reshape(batch, num_kv_heads, group, head_dim)
+    rotated = is_int4(k_pool.dtype)  # the pool's basis: rotate q now and the output at the end
+    q_tile = (rotate_int4(q).astype(q.dtype) if rotated else q).reshape(batch, num_kv_heads, group, head_dim)
     q_tile = jnp.pad(q_tile, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))  # [B, Hkv, block_h, D]
 
     tables_spec = pl.BlockSpec((None, None, pages_per_split), lambda b, h, s: (b, s, 0))
@@ -268,6 +271,8 @@ def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, *, scal
     l_all = (weight * l).sum(axis=1)
     o_all = (weight[..., None] * o).sum(axis=1)
     out = o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # [B, Hkv, block_h, D]
+    if rotated:
+        out = rotate_int4(out)
     return out[:, :, :group].reshape(q.shape).astype(q.dtype)
 
 

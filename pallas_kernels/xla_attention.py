@@ -99,12 +99,13 @@ def scatter_rows(pool: jax.Array, slots: jax.Array, rows: jax.Array) -> jax.Arra
 
 
 def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype) -> jax.Array:
+    # int4 tiles stay in the pool's rotated basis: _attend rotates the queries and outputs
     # pages: [B, S] -> [B, S * P, Hkv, D] (unpacked for int4); a flat index list gathers faster on XLA's CPU
     # backend than a [B, S] index array (whole pages copied as rows)
     flat = pages.reshape(-1)
     x = pool[flat]
     if scales is not None:
-        x = kv_quant.dequantize(x, scales[flat], dtype)
+        x = kv_quant.dequantize(x, scales[flat], dtype, rotated=True)
     return x.reshape(pages.shape[0], -1, *x.shape[2:])
 
 
@@ -121,6 +122,9 @@ def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, new_kv:
     # head-major: every product is a matmul batched over (row, kv head), which XLA's CPU backend
     # runs several times faster than the same contraction with the heads inside
     qh = q.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, chunk * group, head_dim)  # [B, Hkv, C*G, D]
+    rotated = kv_quant.is_int4(pools.k.dtype)  # q . k = (q @ H) . (k @ H); the output is rotated back below
+    if rotated:
+        qh = kv_quant.rotate_int4(qh).astype(q.dtype)
     lens = jnp.repeat(kv_lens, group, axis=1)[:, None, :, None]  # [B, 1, C*G, 1]
 
     def step_fn(step, carry):
@@ -146,6 +150,8 @@ def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, new_kv:
              jnp.zeros((*stats_shape, head_dim), jnp.float32))
     pools, _, l, acc = lax.fori_loop(0, num_steps, step_fn, carry)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, Hkv, C*G, D]
+    if rotated:
+        out = kv_quant.rotate_int4(out)
     return out.reshape(batch, num_kv_heads, chunk, group, head_dim).transpose(0, 2, 1, 3, 4), pools
 
 

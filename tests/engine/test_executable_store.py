@@ -4,6 +4,7 @@ tokens; anything that shapes a program changes the key; a damaged entry compiles
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.config import EngineConfig
@@ -102,3 +103,11 @@ def test_no_store_when_the_cache_is_off(llama_dir, tmp_path, monkeypatch):
 
 def test_host_only_options_are_engine_fields():
     assert executable_store.HOST_ONLY_OPTIONS <= set(EngineConfig.__dataclass_fields__)
+
+
+def test_source_fingerprint_is_the_imported_source_not_the_files_on_disk_later(monkeypatch):
+    imported = executable_store.source_fingerprint()
+    assert imported == executable_store._hash_sources()  # nothing edited since import
+    monkeypatch.setattr(Path, "read_bytes", lambda self: b"edited while the process runs")
+    assert executable_store._hash_sources() != imported
+    assert executable_store.source_fingerprint() == imported

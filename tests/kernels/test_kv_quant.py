@@ -157,10 +157,19 @@ def int4_vectors(rng):
     return x, np.asarray(x, np.float64)
 
 
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Hadamard matrix by its entries: H[i, j] = (-1)**popcount(i & j) / sqrt(n)."""
+    i = np.arange(n)
+    bits = np.vectorize(lambda v: bin(v).count("1"))(i[:, None] & i[None, :])
+    return (-1.0) ** bits / np.sqrt(n)
+
+
 def test_int4_format_unpacks_by_hand():
     """The documented layout, decoded with numpy: byte j = (q_j + 8) | (q_{j + D/2} + 8) << 4,
-    value = q * scale of its group of 32 elements."""
+    value = q * scale of its group of 32 elements, in the basis of x @ H (H Hadamard)."""
     x, x64 = int4_vectors(np.random.default_rng(3))
+    h = hadamard(128)
+    x64 = x64 @ h  # the basis int4 stores
     packed, scales = quantize(x, jnp.uint8)
     assert packed.dtype == jnp.uint8 and packed.shape == (5, 3, 64)
     assert scales.dtype == jnp.float16 and scales.shape == (5, 3, 4)
@@ -169,7 +178,10 @@ def test_int4_format_unpacks_by_hand():
     assert q.min() >= -7 and q.max() <= 7  # nibble 0 (-8) is never written
     s = np.asarray(scales, np.float64)
     by_hand = (q.reshape(5, 3, 4, 32) * s[..., None]).reshape(x.shape)
-    np.testing.assert_array_equal(np.asarray(dequantize(packed, scales, jnp.float32), np.float64), by_hand)
+    np.testing.assert_array_equal(np.asarray(dequantize(packed, scales, jnp.float32, rotated=True), np.float64),
+                                  by_hand)
+    np.testing.assert_allclose(np.asarray(dequantize(packed, scales, jnp.float32), np.float64), by_hand @ h,
+                               rtol=1e-5, atol=1e-6 * np.abs(by_hand).max())  # rotated back: H is its own inverse
     # the abs-max element of each group lands on +-7 (every nonzero group uses the full range)
     amax = np.abs(x64.reshape(5, 3, 4, 32)).max(axis=-1)
     nonzero = amax > 7 * F16_TINY
@@ -180,7 +192,8 @@ def test_int4_format_unpacks_by_hand():
 def test_int4_round_trip(x_dtype):
     x, _ = int4_vectors(np.random.default_rng(4))
     x = x.astype(x_dtype)
-    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    x_in = np.asarray(x.astype(jnp.float32), np.float64)
+    x64 = x_in @ hadamard(128)  # the bound holds per element in the stored (rotated) basis
     packed, scales = jax.jit(quantize, static_argnums=1)(x, jnp.uint8)
     s = np.asarray(scales, np.float64)  # the stored float16 scales
     amax = np.abs(x64.reshape(5, 3, 4, 32)).max(axis=-1)
@@ -188,24 +201,27 @@ def test_int4_round_trip(x_dtype):
     exact = np.maximum(amax / 7, F16_TINY)
     assert (np.abs(s - exact) <= exact * 2.0**-11).all()
     assert (s >= F16_TINY).all() and np.isfinite(s).all()
-    out = np.asarray(dequantize(packed, scales, jnp.float32), np.float64)
+    out = np.asarray(dequantize(packed, scales, jnp.float32, rotated=True), np.float64)
     err = np.abs(out - x64).reshape(5, 3, 4, 32)
-    # the tested bound: half the stored scale per element (plus float32 rounding of x / s and
-    # of float32's smallest normal, as XLA may flush float32 subnormal inputs to zero)
-    bound = s[..., None] / 2 * (1 + 1e-6) + F32_TINY
+    # the tested bound: half the stored scale per element (plus float32 rounding of x / s, of
+    # the rotation's sums, and of float32's smallest normal, as XLA may flush subnormals to zero)
+    bound = s[..., None] / 2 * (1 + 1e-6) + 1e-6 * np.abs(x64).max(axis=-1)[..., None, None] + F32_TINY
     assert (err <= bound).all(), (err / bound).max()
+    # in the input's basis the rotation is orthonormal: each vector's error has the same L2 norm
+    back = np.asarray(dequantize(packed, scales, jnp.float32), np.float64)
+    np.testing.assert_allclose(np.linalg.norm(back - x_in, axis=-1), np.linalg.norm(out - x64, axis=-1),
+                               rtol=1e-3, atol=1e-5 * np.abs(x64).max())
     # and in terms of the input: max|x| / 14 up to the float16 rounding of the scale
     assert (err <= np.maximum(amax / 14 * (1 + 2.0**-11), F16_TINY / 2)[..., None] * (1 + 1e-6) + F32_TINY).all()
-    np.testing.assert_array_equal(out[0, 0], 0.0)  # zero groups come back as exact zeros
-    np.testing.assert_array_equal(out[0, 1, 64:96], 0.0)
+    np.testing.assert_array_equal(back[0, 0], 0.0)  # a zero vector comes back as exact zeros
     bf16 = np.asarray(dequantize(packed, scales, jnp.bfloat16).astype(jnp.float32))
-    np.testing.assert_array_equal(bf16, np.asarray(jnp.asarray(out, jnp.float32).astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(bf16, np.asarray(jnp.asarray(back, jnp.float32).astype(jnp.bfloat16), np.float32))
 
 
 def test_int4_saturates_past_the_largest_float16_scale():
     x = jnp.asarray(np.full((1, 64), 1e30), jnp.float32).at[0, 1].set(-1e30)
-    out = np.asarray(dequantize(*quantize(x, jnp.uint8), jnp.float32))
-    np.testing.assert_array_equal(out[0, :3], [7 * 65504.0, -7 * 65504.0, 7 * 65504.0])
+    out = np.asarray(dequantize(*quantize(x, jnp.uint8), jnp.float32, rotated=True))
+    assert np.isfinite(out).all() and np.abs(out).max() == 7 * 65504.0
 
 
 def test_int4_shapes_and_sizes():
@@ -216,10 +232,10 @@ def test_int4_shapes_and_sizes():
     # bytes of one token of one kv head: D / 2 packed + a float16 per 32; int8 D + a float32; bf16 2 D
     assert token_bytes(64, jnp.uint8) == 32 + 2 * 2 and token_bytes(128, jnp.uint8) == 64 + 4 * 2
     assert token_bytes(64, jnp.int8) == 68 and token_bytes(64, jnp.bfloat16) == 128
-    for bad in [16, 32, 96]:
-        with pytest.raises(ValueError, match="multiple of 64"):
+    for bad in [16, 32, 96, 192]:
+        with pytest.raises(ValueError, match="power-of-two head_dim of at least 64"):
             pool_dim(bad, jnp.uint8)
-        with pytest.raises(ValueError, match="multiple of 64"):
+        with pytest.raises(ValueError, match="power-of-two head_dim of at least 64"):
             quantize(jnp.ones((2, bad)), jnp.uint8)
     packed, scales = quantize(jnp.ones((2, 64)), jnp.uint8)
     with pytest.raises(ValueError, match="scale shape"):

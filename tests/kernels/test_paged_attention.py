@@ -191,10 +191,17 @@ def quantized_case(seed, pool_dtype, q_dtype, block_size, group, width, lengths,
 
 def round_trip_bound(x, pool_dtype):
     # x: [L, Hkv, D] float64; the per-element quantization error bound (tests/kernels/test_kv_quant.py)
-    if pool_dtype == jnp.uint8:  # int4: half the float16-rounded scale of each group of 32
-        groups = np.abs(x).reshape(*x.shape[:-1], -1, 32)
+    if pool_dtype == jnp.uint8:
+        # int4: half the float16-rounded scale of each group of 32 of x @ H (the stored basis, H
+        # the orthonormal Hadamard matrix, its own inverse); back in x's basis an element's error
+        # is sum_i e_i H[i, j], so at most the sum of those bounds / sqrt(D)
+        d = x.shape[-1]
+        i = np.arange(d)
+        h = (-1.0) ** np.vectorize(lambda v: bin(v).count("1"))(i[:, None] & i[None, :]) / np.sqrt(d)
+        groups = np.abs(x @ h).reshape(*x.shape[:-1], -1, 32)
         amax = np.maximum(groups.max(axis=-1, keepdims=True) / 14 * (1 + 2.0**-11), 2.0**-15)
-        return np.broadcast_to(amax, groups.shape).reshape(x.shape)
+        total = np.broadcast_to(amax, groups.shape).sum(axis=(-2, -1), keepdims=True)[..., 0] / np.sqrt(d)
+        return np.broadcast_to(total, x.shape)
     amax = np.abs(x).max(axis=-1, keepdims=True)
     if pool_dtype == jnp.int8:
         return np.broadcast_to(amax / 254, x.shape)
@@ -306,7 +313,7 @@ def test_int4_bad_inputs_raise():
         call(q, kq, vq, tables, lens, k_scales=ks[..., 0].astype(jnp.float32), v_scales=vs)
     with pytest.raises(ValueError, match="does not fit"):  # a head_dim 128 query on a head_dim 64 pool
         call(jnp.concatenate([q, q], axis=-1), kq, vq, tables, lens, k_scales=ks, v_scales=vs)
-    with pytest.raises(ValueError, match="multiple of 64"):
+    with pytest.raises(ValueError, match="power-of-two head_dim of at least 64"):
         call(q[..., :32], kq[..., :16], vq[..., :16], tables, lens, k_scales=ks[..., :1], v_scales=vs[..., :1])
 
 

@@ -63,8 +63,7 @@ def host_fingerprint(cpuinfo: str | None = None) -> str:
     return xxhash.xxh64("\n".join([platform.machine(), *identity]).encode()).hexdigest()[:12]
 
 
-def source_fingerprint() -> str:
-    """A hash of the engine's own Python source (a changed kernel must not load an old program)."""
+def _hash_sources() -> str:
     h = xxhash.xxh64()
     root = Path(__file__).resolve().parents[2]
     for package in _PACKAGES:
@@ -72,6 +71,16 @@ def source_fingerprint() -> str:
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
     return h.hexdigest()
+
+
+_SOURCE_FINGERPRINT = _hash_sources()  # at import: the source this process runs, not what is on disk later
+
+
+def source_fingerprint() -> str:
+    """A hash of the engine's own Python source as this process imported it (a changed kernel
+    must not load an old program, and a process must not store its programs under the key of
+    source edited on disk while it runs)."""
+    return _SOURCE_FINGERPRINT
 
 
 def program_key(engine_options: object, model_config: object, param_shapes: list, devices: list) -> str:

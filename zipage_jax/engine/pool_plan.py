@@ -42,7 +42,7 @@ class KVPoolPlan:
 
 def plan_pool(config: EngineConfig, model: ModelConfig, model_dtype) -> KVPoolPlan:
     """The pool `config` asks for on this device; ValueError when the platform cannot hold its type
-    or the model's head_dim does not fit it (int4 needs a multiple of 64)."""
+    or the model's head_dim does not fit it (int4 needs a power of two of at least 64)."""
     bs = config.kvcache_block_size
     kv_heads = -(-model.num_kv_heads // config.tensor_parallel_size)
     kv_dtype = kv_quant.kv_storage_dtype(config.kv_cache_dtype, model_dtype)
@@ -65,7 +65,7 @@ def plan_pool(config: EngineConfig, model: ModelConfig, model_dtype) -> KVPoolPl
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, kv_dtype) -> int:
     """Bytes of one block of the pool, K and V of every layer, with the scales of a quantized pool
     (kv_quant.token_bytes: int8 / fp8 D + 4 bytes a token and kv head, int4 D / 2 + 2 * D / 32);
-    ValueError for an int4 pool whose head_dim is not a multiple of 64."""
+    ValueError for an int4 pool whose head_dim is not a power of two of at least 64."""
     return num_layers * block_size * 2 * num_kv_heads * kv_quant.token_bytes(head_dim, kv_dtype)
 
 
