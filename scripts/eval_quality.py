@@ -105,6 +105,8 @@ VARIANTS = {"full": {}, **{name: {"eviction_policy": name, "use_global_score": T
     "window-50": {"eviction_policy": "window", "use_global_score": True, "recent_fraction": 0.5},
     "window-pool": {"eviction_policy": "window", "use_global_score": True, "enable_pooling": True},
     "vnorm-window-attn": {"eviction_policy": "vnorm-window"},
+    **{f"{p}-{int(100 * r)}": {"eviction_policy": p, "use_global_score": True, "recent_fraction": r}
+       for p in ("rkv", "triattention") for r in (0.25, 0.5)},  # their recent share, chosen on dev
 }
 DEFAULT_POLICIES = ["full", "streaming", "zipage-attn", "zipage", "window", "vnorm-window"]
 MEMORY_POLICIES = ["streaming", "zipage", "vnorm-window"]
