@@ -93,7 +93,7 @@ POLICIES: dict[str, Policy] = {p.name: p for p in (
     Policy("rkv", Score.REDUNDANCY, PolicyOptions(sinks=4, recent_fraction=0.75)),
     Policy("triattention", Score.FUTURE, PolicyOptions(sinks=4, recent_fraction=0.75)),
 )}
-DEFAULT_POLICY = "vnorm-window"  # best on code and reasoning (docs/RESULTS.md); "zipage" = reference
+DEFAULT_POLICY = "vnorm-window"  # the held-out winner at 1/8 of the bf16 memory (docs/RESULTS.md); "zipage" = reference
 
 
 def get_policy(name: object) -> Policy:
