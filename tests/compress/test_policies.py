@@ -1,10 +1,8 @@
 """Eviction policies beyond the reference (zipage_jax/compress/policies.py): jnp vs numpy."""
 
 import dataclasses
-import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
