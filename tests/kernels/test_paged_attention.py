@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from h200 import lower_for_h200
+from test_kv_quant import hadamard
 from pallas_kernels.kv_pool import KVPool
 from pallas_kernels.kv_quant import dequantize, quantize
 from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
@@ -196,8 +197,7 @@ def round_trip_bound(x, pool_dtype):
         # the orthonormal Hadamard matrix, its own inverse); back in x's basis an element's error
         # is sum_i e_i H[i, j], so at most the sum of those bounds / sqrt(D)
         d = x.shape[-1]
-        i = np.arange(d)
-        h = (-1.0) ** np.vectorize(lambda v: bin(v).count("1"))(i[:, None] & i[None, :]) / np.sqrt(d)
+        h = hadamard(d)
         groups = np.abs(x @ h).reshape(*x.shape[:-1], -1, 32)
         amax = np.maximum(groups.max(axis=-1, keepdims=True) / 14 * (1 + 2.0**-11), 2.0**-15)
         total = np.broadcast_to(amax, groups.shape).sum(axis=(-2, -1), keepdims=True)[..., 0] / np.sqrt(d)

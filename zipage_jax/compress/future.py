@@ -27,18 +27,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from zipage_jax.layers.rotary import inv_frequencies
+
 FUTURE_DISTANCES = tuple(2**i for i in range(13))  # 1 .. 4096 tokens ahead
 DEFAULT_ROPE_THETA = 10000.0
 
 
 def rope_inv_freq(head_dim: int, inv_freq: tuple[float, ...] = ()) -> np.ndarray:
     """[D/2] float32: the model's RoPE inverse frequencies, or RoPE with theta 10,000 when empty."""
-    if inv_freq:
-        if len(inv_freq) != head_dim // 2:
-            raise ValueError(f"rope inverse frequencies must have head_dim/2 = {head_dim // 2} entries, "
-                             f"got {len(inv_freq)}")
-        return np.asarray(inv_freq, np.float32)
-    return (1.0 / DEFAULT_ROPE_THETA ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)).astype(np.float32)
+    if not inv_freq:
+        return inv_frequencies(head_dim, DEFAULT_ROPE_THETA)
+    if len(inv_freq) != head_dim // 2:
+        raise ValueError(f"rope inverse frequencies must have head_dim/2 = {head_dim // 2} entries, got {len(inv_freq)}")
+    return np.asarray(inv_freq, np.float32)
 
 
 def rotate(x: jax.Array, angles: jax.Array) -> jax.Array:
