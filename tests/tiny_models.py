@@ -128,8 +128,9 @@ def _gguf_name(hf_name: str) -> str:
 def save_tiny_gguf(model_dir: str | Path, path: str | Path, *, qtype: str = "F32") -> Path:
     """Write a tiny saved model (no RoPE scaling) as a llama.cpp-style GGUF file.
 
-    Matrices are stored as `qtype` (F32, F16, Q8_0, Q4_0 or Q4_1: the hidden sizes are
-    multiples of 32, not 256), norms and biases as F32; the tokenizer goes in as gpt2-style BPE.
+    Matrices are stored as `qtype` (F32, F16, or a type gguf-py quantizes in 32-blocks: Q8_0, Q4_0,
+    Q4_1, Q5_0, Q5_1; the hidden sizes are multiples of 32, not 256), norms and biases as F32;
+    the tokenizer goes in as gpt2-style BPE.
     """
     import json
 

@@ -1,4 +1,4 @@
-"""GGUF: our dequantizers vs gguf's, the name mapping and Q/K un-permutation, bad files, parity."""
+"""GGUF: files in many tensor types dequantize as gguf-py does, names and Q/K un-permutation, bad files, parity."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import argparse
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from tiny_models import save_tiny_gguf
@@ -17,42 +20,57 @@ from zipage_jax.crosscheck import logits as crosscheck_logits
 from zipage_jax.crosscheck.logits import compare, model_logits, transformers_logits
 from zipage_jax.models import gguf as ours
 from zipage_jax.models.loading import load_model
-from zipage_jax.models.weights import flat_params
+from zipage_jax.models.weights import decoder_from_hf, flat_params
 
-ROWS, COLS = 6, 512  # two 256-blocks per row for the K quants
-
-
-def _f16_bytes(rng, n):
-    return (rng.standard_normal(n) * 0.05).astype(np.float16).view(np.uint8).reshape(n, 2)
-
-
-def _reader_data(qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Random tensor data laid out as GGUFReader hands it over for `qtype`."""
-    x = rng.standard_normal((ROWS, COLS)).astype(np.float32)
-    if qtype not in (Q.Q4_K, Q.Q6_K):
-        return gguf.quants.quantize(x, qtype)
-    # gguf cannot quantize to K types: random raw blocks with finite f16 scales
-    n = ROWS * COLS // 256
-    if qtype == Q.Q4_K:  # d, dmin | scales[12] | qs[128]
-        blocks = [_f16_bytes(rng, n), _f16_bytes(rng, n), rng.integers(0, 256, (n, 140), dtype=np.uint8)]
-    else:  # Q6_K: ql[128] | qh[64] | scales[16] | d
-        blocks = [rng.integers(0, 256, (n, 208), dtype=np.uint8), _f16_bytes(rng, n)]
-    return np.concatenate(blocks, axis=1).reshape(ROWS, -1)
+ROWS, COLS = 4, 512  # two 256-blocks per row for the K quants
+# Types gguf-py cannot quantize, written as random blocks: the byte offsets of each block's float16 scales.
+_F16_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,)}
+QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, *_F16_SCALES]
 
 
-@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
-def test_dequantize_matches_gguf(qtype):
-    data = _reader_data(qtype, np.random.default_rng(int(qtype)))
-    expected = gguf.quants.dequantize(data, qtype)
-    got = ours.dequantize(data, qtype)
+def _tensor_data(qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """A ROWS x COLS tensor's data in `qtype`: gguf-py's quantization of random values, or random blocks."""
+    if qtype not in _F16_SCALES:
+        return gguf.quants.quantize(rng.standard_normal((ROWS, COLS)).astype(np.float32), qtype)
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (ROWS * COLS // block_size, type_size), dtype=np.uint8)
+    for offset in _F16_SCALES[qtype]:
+        scales = (rng.standard_normal((len(blocks), 1)) * 0.05).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8)
+    return blocks.reshape(ROWS, -1)
+
+
+def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, Q | None]], arch: str = "qwen2") -> Path:
+    """name -> (data, raw tensor type, or None for the type of the data's dtype)."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    for name, (data, qtype) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_gguf_file_dequantizes_like_gguf_py(qtype, tmp_path):
+    data = _tensor_data(qtype, np.random.default_rng(int(qtype)))
+    reader = ours.open_gguf(_write_gguf(tmp_path / "t.gguf", {"blk.0.ffn_up.weight": (data, qtype)}))
+    assert [t.tensor_type for t in reader.tensors] == [qtype]
+    got = ours.read_tensors(reader, {"model_type": "qwen2"})["model.layers.0.mlp.up_proj.weight"]
+    expected = gguf.quants.dequantize(data, qtype)  # from the bytes written, not from the file
     assert got.dtype == np.float32 and got.shape == (ROWS, COLS) == expected.shape
+    assert np.isfinite(expected).all() and np.abs(expected).max() > 0
     np.testing.assert_array_equal(got, expected)
-    assert np.abs(got).max() > 0
 
 
-def test_dequantize_rejects_unsupported_type():
-    with pytest.raises(ValueError, match="unsupported GGUF tensor type Q5_K"):
-        ours.dequantize(np.zeros((1, 176), np.uint8), Q.Q5_K)
+def test_gguf_unreadable_type_is_named(tmp_path):
+    path = _write_gguf(tmp_path / "i32.gguf", {"blk.0.ffn_up.weight": (np.ones((2, 32), np.int32), None)})
+    reader = ours.open_gguf(path)
+    assert reader.tensors[0].tensor_type == Q.I32 and Q.I32 not in ours.readable_types()
+    with pytest.raises(ValueError, match="unsupported GGUF tensor type I32: gguf-py cannot dequantize it"):
+        ours.read_tensors(reader, {"model_type": "qwen2"})
 
 
 def test_unpermute_undoes_llama_cpp_like_transformers():
@@ -97,6 +115,23 @@ def test_f32_gguf_loads_exactly_the_checkpoint(arch, plain_models, tmp_path):
     assert from_gguf.tokenizer(text)["input_ids"] == from_dir.tokenizer(text)["input_ids"]
 
 
+def test_q5_0_gguf_model_loads_gguf_py_dequantization(plain_models, tmp_path):
+    """A whole Q5_0 model: its decoder parameters are exactly gguf-py's dequantization of the file."""
+    path = save_tiny_gguf(plain_models["qwen2"], tmp_path / "q5_0.gguf", qtype="Q5_0")  # qwen2: no Q/K permute
+    loaded = load_model(str(path), dtype="float32", cache_dir=str(tmp_path / "cache"))
+    reader = gguf.GGUFReader(path)
+    assert Q.Q5_0 in {t.tensor_type for t in reader.tensors}
+    expected = {
+        ours.hf_name(t.name): gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        for t in reader.tensors
+    }
+    a = flat_params(loaded.model)
+    b = flat_params(decoder_from_hf(loaded.config, jnp.dtype(jnp.float32), expected))
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
 @pytest.mark.parametrize("arch, qtype", [("llama", "Q8_0"), ("qwen2", "Q4_1"), ("llama", "Q4_0")])
 def test_quantized_gguf_parity_with_transformers(arch, qtype, plain_models, tmp_path):
     path = save_tiny_gguf(plain_models[arch], tmp_path / f"{arch}.gguf", qtype=qtype)
@@ -114,15 +149,9 @@ def test_truncated_gguf(plain_models, tmp_path):
 
 
 def test_gguf_unsupported_architecture(tmp_path):
-    w = gguf.GGUFWriter(tmp_path / "gpt2.gguf", "gpt2")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _write_gguf(tmp_path / "gpt2.gguf", {"token_embd.weight": (np.zeros((4, 8), np.float32), None)}, "gpt2")
     with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
-        load_model(str(tmp_path / "gpt2.gguf"), cache_dir=str(tmp_path / "cache"))
+        load_model(str(path), cache_dir=str(tmp_path / "cache"))
 
 
 @pytest.mark.slow

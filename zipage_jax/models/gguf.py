@@ -1,103 +1,45 @@
-"""GGUF files (llama.cpp): our dequantizers, the config, and tensors renamed to transformers'.
-
-Each dequantizer takes the tensor's raw blocks `[N, type_size]` uint8 and returns `[N, block_size]`
-float32, computing in the same order as gguf.quants so results are bit-identical.
-"""
+"""GGUF files (llama.cpp): tensors dequantized by gguf-py, the config, and names as transformers'."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
 import numpy as np
+import gguf.quants
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 Q = GGMLQuantizationType
 
 
-def _f16(blocks: np.ndarray) -> np.ndarray:
-    """blocks: [N, 2] uint8 -> [N, 1] float32."""
-    return blocks.view(np.float16).astype(np.float32)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """qs: [..., K] uint8 -> [..., 2, K]: low nibbles, then high nibbles."""
-    return np.stack([qs & 0x0F, qs >> 4], axis=-2)
-
-
-def _dequant_q8_0(b: np.ndarray) -> np.ndarray:
-    # b: [N, 34] = d f16 | qs int8[32]
-    return b[:, 2:].view(np.int8).astype(np.float32) * _f16(b[:, :2])
-
-
-def _dequant_q4_0(b: np.ndarray) -> np.ndarray:
-    # b: [N, 18] = d f16 | qs u8[16] (element i in the low nibble of byte i, i + 16 in its high one)
-    q = _nibbles(b[:, 2:]).reshape(len(b), 32).astype(np.int8) - np.int8(8)
-    return _f16(b[:, :2]) * q.astype(np.float32)
-
-
-def _dequant_q4_1(b: np.ndarray) -> np.ndarray:
-    # b: [N, 20] = d f16 | m f16 | qs u8[16]
-    q = _nibbles(b[:, 4:]).reshape(len(b), 32).astype(np.float32)
-    return _f16(b[:, :2]) * q + _f16(b[:, 2:4])
-
-
-def _q4_k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """s: [N, 12] uint8: 8 six-bit scales and 8 six-bit mins -> ([N, 8], [N, 8]) uint8."""
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    scales = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mins = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return scales, mins
-
-
-def _dequant_q4_k(b: np.ndarray) -> np.ndarray:
-    # b: [N, 144] = d f16 | dmin f16 | scales u8[12] | qs u8[128]; 8 sub-blocks of 32
-    n = len(b)
-    scales, mins = _q4_k_scales(b[:, 4:16])
-    d = (_f16(b[:, 0:2]) * scales.astype(np.float32)).reshape(n, 8, 1)
-    dm = (_f16(b[:, 2:4]) * mins.astype(np.float32)).reshape(n, 8, 1)
-    q = _nibbles(b[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32).astype(np.float32)
-    return (d * q - dm).reshape(n, 256)
-
-
-def _dequant_q6_k(b: np.ndarray) -> np.ndarray:
-    # b: [N, 210] = ql u8[128] | qh u8[64] | scales int8[16] | d f16; two halves of 128, 16 scales of 16
-    n = len(b)
-    ql = b[:, :128].reshape(n, 2, 64)
-    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-    low = _nibbles(ql).reshape(n, 2, 128)
-    high = (qh & 0x03).reshape(n, 2, 128)
-    q = (low | (high << 4)).astype(np.int8) - np.int8(32)
-    d = (_f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)).reshape(n, 16, 1)
-    return (d * q.reshape(n, 16, 16).astype(np.float32)).reshape(n, 256)
-
-
-_BLOCK_DEQUANTIZERS = {
-    Q.Q8_0: _dequant_q8_0,
-    Q.Q4_0: _dequant_q4_0,
-    Q.Q4_1: _dequant_q4_1,
-    Q.Q4_K: _dequant_q4_k,
-    Q.Q6_K: _dequant_q6_k,
-}
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, *_BLOCK_DEQUANTIZERS)
-
-
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """data: a GGUFReader tensor's data (its rows' raw bytes for block types) -> float32 [rows, cols]."""
-    raw = np.ascontiguousarray(data).view(np.uint8)
-    if qtype == Q.F32:
-        return raw.view(np.float32)
-    if qtype == Q.F16:
-        return raw.view(np.float16).astype(np.float32)
-    if qtype == Q.BF16:
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-    if qtype not in _BLOCK_DEQUANTIZERS:
-        names = ", ".join(t.name for t in SUPPORTED_TYPES)
-        raise ValueError(f"unsupported GGUF tensor type {qtype.name}; supported: {names}")
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    rows = raw.shape[:-1]
-    blocks = _BLOCK_DEQUANTIZERS[qtype](raw.reshape(-1, type_size))
-    return blocks.reshape(*rows, raw.shape[-1] // type_size * block_size)
+    """data: a GGUFReader tensor's data (its rows' raw bytes for block types) -> float32 [rows, cols].
+
+    gguf-py's own dequantization, for every type it reads; ValueError naming the type otherwise.
+    """
+    try:
+        out = gguf.quants.dequantize(np.ascontiguousarray(data), qtype)
+    except NotImplementedError:
+        raise ValueError(f"unsupported GGUF tensor type {qtype.name}: gguf-py cannot dequantize it; "
+                         f"readable types: {', '.join(t.name for t in readable_types())}") from None
+    return np.asarray(out, dtype=np.float32)
+
+
+@functools.cache
+def readable_types() -> tuple[GGMLQuantizationType, ...]:
+    """The tensor types gguf-py dequantizes (each tried on one zero block)."""
+    readable = []
+    for qtype in Q:
+        block_size, type_size = GGML_QUANT_SIZES.get(qtype, (1, 0))
+        try:
+            gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+        except NotImplementedError:
+            continue
+        except Exception:  # a type whose zero block is invalid is still one gguf-py implements
+            pass
+        readable.append(qtype)
+    return tuple(readable)
 
 
 # GGUF tensor name -> transformers name, for the llama / qwen2 / qwen3 families.
