@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             results["llama_cpp_tok_s_batch1"] = cpp
             if "1" in results["batches"]:
                 results["batches"]["1"]["ratio_vs_llama_cpp"] = results["batches"]["1"]["zipage_tok_s"] / cpp
-    from run_info import run_info
+    from zipage_jax.run_info import run_info
 
     results["run"] = run_info()
     print(json.dumps(results) if args.json else json.dumps(results, indent=2))

@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"section": name, **result}), flush=True)
     report["ok"] = all(r.get("ok", False) for r in report["sections"].values())
     report["seconds"] = time.monotonic() - start
-    from run_info import run_info
+    from zipage_jax.run_info import run_info
 
     report["run"] = run_info()
     print(json.dumps(report), flush=True)

@@ -69,7 +69,7 @@ compiles_by_window and steps_by_window: sums), the ratios above, totals over the
 (compiles_after_warmup, preemptions, compressions, tokens_per_s, host_share, ...), and
 "repeats": each repeat's own lists and totals; then "goals", the pool (blocks, bytes per block),
 the model (and "model_config" for a random one), the workload, the machine's load average at
-the start, "run_start" (scripts/run_info.py at the start: the commit measured) and "run" (the
+the start, "run_start" (zipage_jax/run_info.py at the start: the commit measured) and "run" (the
 same at the end: commit, date, load average at the end).
 
 Models: a name or path `load_model` knows ("default": SmolLM2-135M), or a random-initialised
@@ -107,7 +107,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_gpu  # noqa: E402
 import bench_throughput as bt  # noqa: E402
-from run_info import run_info  # noqa: E402
+from zipage_jax.run_info import run_info  # noqa: E402
 
 FLAT_TOLERANCE = 0.10  # the compressed run's last window within 10% of its first full window
 HOST_SHARE_GOAL = 0.10

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log(f"{len(problems)} problems x {args.samples} samples, up to {args.max_tokens} tokens each")
     report = run(problems, model, options, args.samples, args.max_tokens, args.sample_seed, budget_blocks, log)
-    from run_info import run_info
+    from zipage_jax.run_info import run_info
 
     report["run"] = run_info()
     if args.json:

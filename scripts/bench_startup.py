@@ -1054,7 +1054,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(argv[1])
     args = parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="bench_startup-"))
-    from run_info import git_commit, run_info
+    from zipage_jax.run_info import git_commit, run_info
 
     trees = {"current": snapshot_tree(workdir / "current-tree", git_commit())}
     baseline_path = workdir / "baseline-tree"

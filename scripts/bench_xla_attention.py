@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = " ".join(f"{s}{'*' if int(s) == row['default_step'] else ''}: {ms:.3f}" for s, ms in row["ms"].items())
         print(f"batch {batch:3d} context {context:5d}  ms by step  {cells}", file=sys.stderr, flush=True)
     if args.json:
-        from run_info import run_info
+        from zipage_jax.run_info import run_info
 
         print(json.dumps({"cases": rows, "run": run_info()}))
     return 0

@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(rows, summary, config))
     if args.json:
         sys.path.insert(0, str(Path(__file__).resolve().parent))  # run_info: beside this script
-        from run_info import run_info
+        from zipage_jax.run_info import run_info
 
         info = run_info()
         print(json.dumps({"results": rows, "summary": summary, "config": config, "commit": info["commit"],

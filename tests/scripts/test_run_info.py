@@ -1,19 +1,17 @@
-"""scripts/run_info.py's metadata, and the "run" object of every JSON result in docs/."""
+"""zipage_jax/run_info.py's metadata, and the "run" object of every JSON result in docs/."""
 
 from __future__ import annotations
 
 import datetime
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
+from zipage_jax import run_info
 
-import run_info  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 DOCS_JSON = sorted((ROOT / "docs").glob("*.json"))
 

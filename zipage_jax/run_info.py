@@ -1,6 +1,6 @@
 """The run metadata every JSON result of scripts/ carries under its "run" key.
 
-    from run_info import run_info
+    from zipage_jax.run_info import run_info
     summary["run"] = run_info()
 
 {"commit": short hash of HEAD, "-dirty" when tracked files have changes ("unknown" without git
