@@ -1,0 +1,1 @@
+"""Evaluations that run through the public engine API (LLM, SamplingParams)."""
