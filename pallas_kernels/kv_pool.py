@@ -20,6 +20,7 @@ class KVPool(NamedTuple):
     #                                    int4: [NB, BS, Hkv, D / 32] float16, one per group of 32 (kv_quant)
     v_scales: jax.Array | None = None  # like k_scales
     scores: jax.Array | None = None  # [NB, BS, Hkv] float32 global score (compression with use_global_score)
+    positions: jax.Array | None = None  # [NB, BS, Hkv] int32 each kept token's position (written by compression)
 
     @property
     def block_size(self) -> int:

@@ -1,7 +1,7 @@
 """Quality of compressed KV vs full KV when the PROMPT is long (compression during chunked prefill).
 
     python scripts/eval_long_prompt.py [--split dev|heldout] [--quick | --smoke] [--json]
-                                       [--policies vnorm-window zipage streaming] [--budgets 256 512]
+                                       [--policies vnorm-prompt zipage streaming] [--budgets 256 512]
                                        [--lengths 4000 8000] [--depths 0.1 0.5 0.9] [--trials 2]
                                        [--doc-lengths 6000] [--forced-tokens 256] [--chunk 512]
 
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # eval_quality, run_in
 
 import eval_quality as eq  # noqa: E402
 
-DEFAULT_POLICIES = ["vnorm-window", "zipage", "streaming"]  # the engine's default first
+DEFAULT_POLICIES = ["vnorm-prompt", "zipage", "streaming"]  # the engine's default first
 BUDGETS = (256, 512)  # kv_budget tokens
 LENGTHS = (4000, 8000)  # passkey prompt tokens
 DEPTHS = (0.1, 0.5, 0.9)  # where the key is stated, as a fraction of the prompt
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> tuple[list[dict], dict]:
     if args.markdown:
         Path(args.markdown).write_text(tables)
     if args.json:
-        from run_info import run_info
+        from zipage_jax.run_info import run_info
 
         print(json.dumps({"results": rows, "workloads": workloads, "timings": timings, "run": run_info()}))
     return rows, workloads

@@ -108,8 +108,8 @@ VARIANTS = {"full": {}, **{name: {"eviction_policy": name, "use_global_score": T
     **{f"{p}-{int(100 * r)}": {"eviction_policy": p, "use_global_score": True, "recent_fraction": r}
        for p in ("rkv", "triattention") for r in (0.25, 0.5)},  # their recent share, chosen on dev
 }
-DEFAULT_POLICIES = ["full", "streaming", "zipage-attn", "zipage", "window", "vnorm-window"]
-MEMORY_POLICIES = ["streaming", "zipage", "vnorm-window"]
+DEFAULT_POLICIES = ["full", "streaming", "zipage-attn", "zipage", "window", "vnorm-window", "vnorm-prompt"]
+MEMORY_POLICIES = ["streaming", "zipage", "vnorm-prompt"]
 BUDGETS = (1 / 16, 1 / 8, 1 / 4, 1 / 2)
 MEMORY_FRACTIONS = (1 / 16, 1 / 8, 1 / 4)
 STDLIB_TEXTS = {"argparse.py": "code", "pydoc_data/topics.py": "docs"}  # dev: source code; English documentation
@@ -961,7 +961,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.markdown:
         Path(args.markdown).write_text(table)
     if args.json:
-        from run_info import run_info
+        from zipage_jax.run_info import run_info
 
         print(json.dumps({"results": rows, "workloads": workloads, "lengths": workloads["lengths"],
                           "run": run_info()}))

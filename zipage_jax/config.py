@@ -38,6 +38,7 @@ class EngineConfig:
     eviction_policy: str = DEFAULT_POLICY  # compress/policies.py; SamplingParams.eviction_policy overrides it
     sink_len: int | None = None  # protected first tokens; None: each policy's own (zipage 0, others 4)
     recent_fraction: float | None = None  # window policies: share of the budget kept as the most recent tokens
+    prompt_fraction: float | None = None  # prompt-reserve policies: share of the budget reserved for the prompt
     kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "fp8" (e4m3): per-token scales;
     # "int4": packed, a float16 scale per 32 elements; head_dim % 64 == 0, checked when the engine plans its pool
     profile_compaction: bool = False  # time each compaction alone (it then blocks on the device)
@@ -75,6 +76,8 @@ class EngineConfig:
             raise ValueError(f"sink_len must be an integer >= 0, got {self.sink_len!r}")
         if self.recent_fraction is not None and not 0.0 <= self.recent_fraction < 1.0:
             raise ValueError(f"recent_fraction must be in [0, 1), got {self.recent_fraction}")
+        if self.prompt_fraction is not None and not 0.0 <= self.prompt_fraction < 1.0:
+            raise ValueError(f"prompt_fraction must be in [0, 1), got {self.prompt_fraction}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         rows = self.prefill_row_size

@@ -89,6 +89,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     kv_budget: int | None = None  # KV tokens kept (rounded up to blocks): None = engine default, 0 = full KV
     eviction_policy: str | None = None  # this request's eviction rule (compress/policies.py); None = the engine's
+    # The prompt is kept whole, outside kv_budget: the sequence holds its prompt plus kv_budget tokens
+    # (TensorRT-LLM's TriAttention keeps prompts this way); False: kv_budget bounds the prompt too.
+    keep_prompt: bool = False
     # Teacher forcing: the first output tokens are these instead of sampled ones, decoded one per step
     # (so compression runs as in generation); their log-probabilities are reported as for sampled tokens.
     forced_token_ids: Sequence[int] | None = None  # normalised to a tuple
@@ -116,7 +119,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "keep_prompt"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _integer("max_tokens", self.max_tokens, low=1, high=INT32_MAX)

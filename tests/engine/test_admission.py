@@ -51,7 +51,7 @@ def test_kv_budget_in_tokens_rounds_up_to_blocks_and_zero_is_full_kv():
 
 
 @pytest.mark.parametrize("options, params, message", [
-    (dict(sink_len=5), SamplingParams(kv_budget=16), "protects"),  # 16 tokens < 5 sinks + 0.75 * 16 recent
+    (dict(sink_len=13), SamplingParams(kv_budget=16), "protects"),  # 16 tokens < 13 sinks + the query tail
     ({}, SamplingParams(kv_budget=63 * BS), "does not fit"),  # 63 + 1 blocks in a pool of 63
 ])
 def test_bad_budgets_are_refused_before_any_sequence_exists(options, params, message):

@@ -232,14 +232,14 @@ def test_compress_step_lowers_with_the_pallas_kernels_per_shard(case):
     assert set(calls) == {"zipage_attention_score", "zipage_compact"}, calls
     # its one collective: with repeated kv heads, the gather of each copy's query group
     assert ("stablehlo.all_gather" in text) == (engine.tp is not None and engine.tp.kv_repeats > 1)
-    # compaction moves k, v and the per-token arrays (score cache, scales) as bits, one shard's heads;
-    # int4: packed k, v [.., D / 2] and group scales [.., D / 32]
+    # compaction moves k, v and the per-token arrays (score cache, token positions, scales) as bits,
+    # one shard's heads; int4: packed k, v [.., D / 2] and group scales [.., D / 32]
     compacted = calls["zipage_compact"]
     if kv_quant.is_int4(engine.kv_dtype):
         d = engine.cfg.head_dim
-        assert [engine.count_like(compacted, None, *t) for t in [(d // 2,), (), (d // INT4_GROUP,)]] == [2, 1, 2]
+        assert [engine.count_like(compacted, None, *t) for t in [(d // 2,), (), (d // INT4_GROUP,)]] == [2, 2, 2]
     else:
-        per_token = 1 + 2 * kv_quant.is_quantized(engine.kv_dtype)
+        per_token = 2 + 2 * kv_quant.is_quantized(engine.kv_dtype)
         assert engine.count_pools(compacted) == (2, per_token), compacted
     # scoring reads the keys: the pool, or (quantized) the batch's blocks gathered and dequantized
     keys = [s for s, _ in calls["zipage_attention_score"] if s[-3:] == (case.block_size, engine.cfg.num_kv_heads

@@ -17,7 +17,9 @@ OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8, max
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 8, 11, 64, 65, 66, 3, 9, 1, 2, 77, 31, 33, 12], [300, 1, 2, 3], [7] * 37,
            [200, 201]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-BUDGETED = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True, kv_budget=32)  # M = 2 blocks
+# M = 2 blocks; a policy without a prompt reserve, so that a recomputed sequence and a fresh prompt of
+# its tokens keep the same ones (a reserve keeps the original prompt's tokens, not the fresh one's)
+BUDGETED = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True, kv_budget=32, eviction_policy="vnorm-window")
 
 
 @pytest.fixture(scope="module")

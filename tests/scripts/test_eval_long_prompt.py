@@ -82,7 +82,7 @@ def test_continuation_ratio_is_full_over_compressed_perplexity():
 def test_arguments():
     args = elp.parse_args([])
     assert (args.split, args.policies, args.budgets, args.lengths, args.depths, args.trials, args.chunk) == (
-        "heldout", ["vnorm-window", "zipage", "streaming"], [256, 512], [4000, 8000], [0.1, 0.5, 0.9], 2, 512)
+        "heldout", ["vnorm-prompt", "zipage", "streaming"], [256, 512], [4000, 8000], [0.1, 0.5, 0.9], 2, 512)
     assert elp.blocks_bound(512, args) == 16 + 16 + 1
     quick = elp.parse_args(["--quick", "--split", "dev"])
     assert quick.lengths == [4000] and quick.trials == 1 and quick.budgets == [512] and quick.split == "dev"

@@ -47,6 +47,7 @@ def score_layer(
     backend: Backend = Backend.XLA,
     cache_tables: jax.Array | None = None,
     rope: tuple[float, ...] = (),
+    positions: jax.Array | None = None,
 ) -> tuple[ScoreStages, jax.Array | None]:
     """Scores one layer's tokens and picks the kept ones.
 
@@ -62,6 +63,8 @@ def score_layer(
         of their own (quantized pools); default block_tables.
       rope: the model's RoPE inverse frequencies [D/2] for rows scored by Score.FUTURE (empty:
         RoPE with theta 10,000).
+      positions: [B, Hkv, W, BS] int32 each token's position (`token_positions`), which tells the
+        prompt's tokens (rows.prompt_reserve); default: the slot plus rows.position_offset.
 
     Returns:
       (stages, score_cache): the score cache with the new global score written into every
@@ -107,8 +110,49 @@ def score_layer(
     pos = jnp.arange(width * block_size, dtype=jnp.float32).reshape(width, block_size)
     scores = jnp.where(per_row(by_position), pos, scores)  # later = higher
     final = protect_and_mask(scores, valid, num_blocks, rows)
+    if positions is None:
+        positions = _slots(width, block_size)[None, None] + rows.position_offset[:, None, None, None]
+    final = lax.cond(jnp.any(rows.prompt_reserve > 0), lambda: jnp.where(
+        prompt_reserve(scores, positions, valid, rows), jnp.inf, final), lambda: final)
     keep = top_k_keep(final, valid, rows.budget)
     return ScoreStages(attn, global_, pooled, red, final, keep), score_cache
+
+
+def token_positions(position_cache: jax.Array | None, block_tables: jax.Array, num_blocks: jax.Array,
+                    compressed: jax.Array, rows: CompressRows, num_kv_heads: int,
+                    block_size: int) -> tuple[jax.Array, jax.Array | None]:
+    """The position of every token of each sequence's table, [B, Hkv, W, BS] int32, and the
+    position cache [NB, BS, Hkv] with them written into every valid block (compaction then
+    moves them with their tokens).
+
+    The blocks a compressed sequence kept at its last compaction (as the global score's
+    history) read their positions from the cache; every other slot holds the token written
+    there, at `slot + rows.position_offset` (a sequence never compressed: its slot)."""
+    width = block_tables.shape[1]
+    w = jnp.arange(width)
+    fresh = _slots(width, block_size)[None] + rows.position_offset[:, None, None]  # [B, W, BS]
+    positions = jnp.broadcast_to(fresh[:, None], (block_tables.shape[0], num_kv_heads, width, block_size))
+    if position_cache is None:
+        return positions, None
+    history = jnp.minimum(rows.budget // block_size, num_blocks - 1)
+    use_history = compressed[:, None] & (w[None, :] < history[:, None])  # [B, W]
+    cached = position_cache[block_tables].transpose(0, 3, 1, 2)  # [B, Hkv, W, BS]
+    positions = jnp.where(use_history[:, None, :, None], cached, positions)
+    dest = jnp.where(w[None, :] < num_blocks[:, None], block_tables, position_cache.shape[0])  # out of range: dropped
+    return positions, position_cache.at[dest].set(positions.transpose(0, 2, 3, 1), mode="drop")
+
+
+def prompt_reserve(scores: jax.Array, positions: jax.Array, valid: jax.Array, rows: CompressRows) -> jax.Array:
+    """The prompt reserve: each row's `rows.prompt_reserve` best prompt tokens, [B, Hkv, W, BS]
+    bool: its sinks, then the tokens the answer has not quoted yet (positions >= rows.quote_end),
+    then the others, each group best-scored first. The prompt keeps them whatever the generated
+    tokens score."""
+    width, block_size = scores.shape[-2:]
+    as_row = lambda x: x[:, None, None, None]
+    is_prompt = valid & (positions < as_row(rows.prompt_len))
+    group = jnp.where(_slots(width, block_size) < as_row(rows.sinks), 2,
+                      (positions >= as_row(rows.quote_end)).astype(jnp.int32))  # sinks, unquoted, quoted
+    return top_k_keep(jnp.where(is_prompt, scores, -jnp.inf), is_prompt, rows.prompt_reserve, group)
 
 
 def redundancy_aware(attn: jax.Array, red: jax.Array, valid: jax.Array) -> jax.Array:
@@ -240,16 +284,25 @@ def _raw_row_sums(keys, valid, threshold):
     return sums.reshape(batch, num_kv_heads, width, block_size)
 
 
-def top_k_keep(final: jax.Array, valid: jax.Array, k: jax.Array) -> jax.Array:
+def top_k_keep(final: jax.Array, valid: jax.Array, k: jax.Array, group: jax.Array | None = None) -> jax.Array:
     """Step 7: the k[b] best tokens of every (seq, head), never padding: [B, Hkv, W, BS] bool.
 
-    k is a per-row value: the kept set is the first k of a stable descending sort."""
+    k is a per-row value: the kept set is the first k of a stable descending sort; with `group`
+    (int, broadcastable to `final`) the higher group first, by score within it."""
     batch, num_kv_heads, width, block_size = final.shape
-    order = jnp.argsort(-final.reshape(batch, num_kv_heads, -1), axis=-1, stable=True)  # [B, Hkv, T]
+    scores = -final.reshape(batch, num_kv_heads, -1)
+    if group is None:
+        order = jnp.argsort(scores, axis=-1, stable=True)  # [B, Hkv, T]
+    else:
+        order = jnp.lexsort((scores, -jnp.broadcast_to(group, final.shape).reshape(scores.shape)), axis=-1)
     b = jnp.arange(batch)[:, None, None]
     h = jnp.arange(num_kv_heads)[None, :, None]
     rank = jnp.zeros_like(order).at[b, h, order].set(jnp.arange(order.shape[-1], dtype=order.dtype))
     return (rank < k[:, None, None]).reshape(final.shape) & valid
+
+
+def _slots(width, block_size):  # [W, BS] each slot's index in the table
+    return jnp.arange(width * block_size, dtype=jnp.int32).reshape(width, block_size)
 
 
 def _valid(num_blocks, width, block_size):  # [B, 1, W, BS]

@@ -26,7 +26,7 @@ from pallas_kernels.kv_pool import KVPool
 from zipage_jax.backend import Backend
 from zipage_jax.compress.config import CompressionConfig
 from zipage_jax.compress.policies import CompressRows
-from zipage_jax.compress.scoring import ScoreStages, score_layer
+from zipage_jax.compress.scoring import ScoreStages, score_layer, token_positions
 
 
 def compress_layer(
@@ -49,9 +49,11 @@ def compress_layer(
     backend = Backend.parse(backend)
     queries = query_cache[query_ids]  # [B, QL, Hq, D]
     k_scored, v_scored, tables = _scored_tokens(pools, block_tables, queries.dtype)
+    positions, position_cache = token_positions(pools.positions, block_tables, num_blocks, compressed, rows,
+                                                pools.k.shape[2], pools.block_size)
     stages, score_cache = score_layer(k_scored, v_scored, queries, tables, num_blocks, compressed, pools.scores,
-                                      rows, cfg, backend, cache_tables=block_tables, rope=rope)
-    pools = pools._replace(scores=score_cache)
+                                      rows, cfg, backend, cache_tables=block_tables, rope=rope, positions=positions)
+    pools = pools._replace(scores=score_cache, positions=position_cache)
     present = [i for i, a in enumerate(pools) if a is not None]
     args = ([pools[i] for i in present], stages.keep, block_tables, target_tables)
     if backend.uses_pallas:

@@ -76,8 +76,9 @@ class Admission:
 
     def budget(self, params: SamplingParams, prompt_len: int = 1) -> KVBudget | None:
         """The request's compression plan: its policy (the request's or the engine's), that
-        policy's options with the engine's sink_len / recent_fraction, and its budget in blocks
-        (kv_budget tokens rounded up, or max_cache_blocks_per_seq); None = full KV. The pool
+        policy's options with the engine's sink_len / recent_fraction / prompt_fraction, and its
+        budget in blocks (kv_budget tokens rounded up, or max_cache_blocks_per_seq; with
+        keep_prompt, the prompt's tokens on top, all in the prompt reserve); None = full KV. The pool
         must hold the budget and the next block, and with a longer prompt the budget and one
         prefill chunk (max_num_batched_tokens)."""
         config, bs = self.config, self.pool.block_size
@@ -87,8 +88,12 @@ class Admission:
         if blocks is None:
             return None
         policy = POLICIES[params.eviction_policy or config.eviction_policy]
-        options = policy.options(config.sink_len, config.recent_fraction)
+        options = policy.options(config.sink_len, config.recent_fraction, config.prompt_fraction)
         budget = resolve_budget(policy, options, blocks, bs, config.query_cache_len)
+        if params.keep_prompt:  # the prompt on top: a reserve that holds all of it
+            blocks = -(-(prompt_len + budget.tokens) // bs)
+            budget = dataclasses.replace(budget, blocks=blocks, tokens=blocks * bs,
+                                         prompt_reserve=max(prompt_len, budget.sinks))
         # a prompt longer than the budget holds up to the budget and one chunk between compactions
         chunk_peak = min(blocks + max(1, config.max_num_batched_tokens // bs), -(-prompt_len // bs))
         peak = max(blocks + 1, chunk_peak)

@@ -38,7 +38,7 @@ from jax.sharding import SingleDeviceSharding
 from pallas_kernels.tiling import next_power_of_two
 from zipage_jax.backend import Backend
 from zipage_jax.compress.config import CompressionConfig
-from zipage_jax.compress.policies import compress_rows
+from zipage_jax.compress.policies import RowSequence, compress_rows
 from zipage_jax.compress.step import compress
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, CompressionPlan
@@ -306,7 +306,9 @@ class ModelRunner:
             num_blocks[i] = len(plan.source_table)
             query_ids[i] = seq.query_slot
             compressed[i] = seq.compressed
-        rows = compress_rows([plan.seq.budget for plan in plans], b)
+        rows = compress_rows([plan.seq.budget for plan in plans], b, [
+            RowSequence(plan.seq.num_prompt_tokens, plan.seq.num_computed_tokens - plan.seq.num_kv_slots,
+                        plan.seq.quote_end) for plan in plans])
         profile = self.config.profile_compaction
         if profile:  # time the compaction alone, not the forward step still in flight
             jax.block_until_ready(self.state)

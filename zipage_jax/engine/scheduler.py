@@ -130,6 +130,7 @@ class Scheduler:
                         plan = self.block_manager.plan_compression(seq)
                     if plan is not None:
                         seq.compressing = True
+                        seq.advance_quote()
                         out.compressions.append(plan)
                 continue  # decodes once the compaction has landed (next step)
             n = self._chunk_size(seq, budget)

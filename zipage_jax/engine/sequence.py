@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from zipage_jax.compress.policies import KVBudget
+from zipage_jax.compress.quotes import advance_quote_end
 
 _ids = itertools.count()
 PENDING = -1  # a sampled token the host has not received yet (asynchronous scheduling)
@@ -70,6 +71,7 @@ class Sequence:
     compressed: bool = False
     compressing: bool = False
     query_slot: int | None = None
+    quote_end: int = 0  # the answer has quoted its prompt up to this position (compress/quotes.py)
     state_slot: int | None = None  # row of the device's per-sequence sampling state while running
     state_fresh: bool = False  # the state row was cleared and seeded for this admission
     # its prefill computes the prompt's log-probabilities (so it takes no prefix-cache hit), until
@@ -146,6 +148,13 @@ class Sequence:
         bs = self.block_size
         start = max(self.num_kv_slots, self.budget.tokens)
         return max(start, (start // bs) * bs + query_tail_start(bs, self.query_cache_len))
+
+    def advance_quote(self) -> None:
+        """Before a compaction: how far the answer has quoted the prompt so far, for a budget
+        with a prompt reserve (compress/quotes.py)."""
+        if self.budget is not None and self.budget.prompt_reserve and self.num_output_tokens:
+            answer = self.token_ids[self.num_prompt_tokens:self.num_known_tokens]
+            self.quote_end = advance_quote_end(self.token_ids[:self.num_prompt_tokens], answer, self.quote_end)
 
     def reset_for_recompute(self) -> None:
         """Forget all KV, keep the tokens generated so far: they are computed again as a prompt

@@ -67,7 +67,8 @@ class TensorParallel:
     def kv_specs(self, kv: KVState) -> KVState:
         def pool_spec(pool: KVPool) -> KVPool:
             per_token = lambda a: None if a is None else _TOKEN_HEADS  # noqa: E731
-            return KVPool(_HEADS, _HEADS, per_token(pool.k_scales), per_token(pool.v_scales), per_token(pool.scores))
+            return KVPool(_HEADS, _HEADS, per_token(pool.k_scales), per_token(pool.v_scales), per_token(pool.scores),
+                          per_token(pool.positions))
 
         return KVState(pools=tuple(pool_spec(p) for p in kv.pools), queries=tuple(_HEADS for _ in kv.queries))
 

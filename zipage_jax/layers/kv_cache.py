@@ -33,7 +33,8 @@ class KVState(NamedTuple):
 
         def pool() -> KVPool:
             return KVPool(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype), k_scales=scales(),
-                          v_scales=scales(), scores=jnp.zeros(shape[:3], jnp.float32) if global_score else None)
+                          v_scales=scales(), scores=jnp.zeros(shape[:3], jnp.float32) if global_score else None,
+                          positions=jnp.zeros(shape[:3], jnp.int32))
 
         queries = (num_query_slots + 1, query_cache_len, num_heads, head_dim)
         return cls(pools=tuple(pool() for _ in range(num_layers)),

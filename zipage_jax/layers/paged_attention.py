@@ -55,7 +55,7 @@ def paged_attention_fn(inputs: StepInputs, backend: Backend,
         # q: [R, C, Hq, D]; k, v: [R, C, Hkv, D]
         queries = scatter_rows(state.queries[layer], inputs.query_index, q)
         layer_pool = state.pools[layer]
-        pool = layer_pool._replace(scores=None)  # attention neither reads nor writes the global score
+        pool = layer_pool._replace(scores=None, positions=None)  # compression's bookkeeping, not attention's
         new = NewKV(inputs.slots, k, v)
         if uses_block_tables(backend, q.shape[1]):
             pool = write_kv(pool, new)
@@ -67,7 +67,7 @@ def paged_attention_fn(inputs: StepInputs, backend: Backend,
             page = xla_page_size(pool.block_size)
             out, paged = paged_attention(q, pool.reshape_pages(page), inputs.block_tables, inputs.kv_lens, new)
             pool = paged.reshape_like(pool)
-        return out, state.replace_layer(layer, pool._replace(scores=layer_pool.scores), queries)
+        return out, state.replace_layer(layer, pool._replace(scores=layer_pool.scores, positions=layer_pool.positions), queries)
 
     return attn
 

@@ -161,6 +161,9 @@ class SamplingFields(_Strict):
         None, description="KV tokens kept per sequence; 0 = full KV (zipage extension)")
     eviction_policy: Literal[EVICTION_POLICIES] | None = Field(
         None, description="which tokens a full sequence keeps; default: the server's (zipage extension)")
+    keep_prompt: bool | None = Field(
+        None, description="keep the prompt whole, outside kv_budget: memory is the prompt plus kv_budget "
+                          "(zipage extension)")
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
         None, description="log-probabilities of the prompt tokens, with this many top alternatives (vLLM extension)")
     response_format: ResponseFormat | None = None
@@ -174,7 +177,7 @@ class SamplingFields(_Strict):
     SAMPLING: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
         "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
-        "include_stop_str_in_output", "kv_budget", "eviction_policy", "prompt_logprobs")
+        "include_stop_str_in_output", "kv_budget", "eviction_policy", "keep_prompt", "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,30 @@
+"""How far an answer has quoted its prompt: host-side, from token ids alone.
+
+Instruct models often restate the prompt before answering (a function's signature and
+docstring, the question): an induction head then reads the prompt token that follows the
+current one, so the prompt's part not yet quoted is what the answer needs next, and the part
+already quoted lives on in the answer itself. `quote_end` is the prompt position just after
+the last stretch the answer reproduced verbatim; the prompt reserve ranks the prompt's tokens
+from there on first (docs/ALGORITHM.md section 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+QUOTE_NGRAM = 4  # answer tokens that must match the prompt verbatim to count as quoting it
+
+
+def advance_quote_end(prompt: Sequence[int], answer: Sequence[int], quote_end: int, n: int = QUOTE_NGRAM) -> int:
+    """The new quote end: just after the first occurrence in the prompt of the answer's last `n`
+    tokens that ends at or after `quote_end`; `quote_end` itself (it never moves back) when the
+    answer's tail is not a stretch of the prompt there."""
+    if len(answer) < n or len(prompt) < n:
+        return quote_end
+    tail = np.asarray(answer[-n:])
+    windows = np.lib.stride_tricks.sliding_window_view(np.asarray(prompt), n)  # [len(prompt) - n + 1, n]
+    ends = np.nonzero((windows == tail).all(axis=1))[0] + n
+    later = ends[ends >= quote_end]
+    return int(later[0]) if len(later) else quote_end
