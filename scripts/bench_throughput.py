@@ -230,12 +230,12 @@ class TimedRun(EngineRun):
     """One engine working through the workload, one step at a time, timing only its own steps
     (less the compile time inside them) and sampling its stats after each."""
 
-    def __init__(self, name: str, engine, prompts: list[list[int]], max_tokens: int):
+    def __init__(self, name: str, engine, prompts: list[list[int]], max_tokens: int, ignore_eos: bool = True):
         from zipage_jax import SamplingParams
 
         super().__init__(name, engine)
-        self.max_tokens = max_tokens
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.max_tokens, self.ignore_eos = max_tokens, ignore_eos
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         self.ids = [engine.add_request(p, params) for p in prompts]
         self.finished: dict[str, dict] = {}
         self.running: list[int] = []
@@ -264,7 +264,7 @@ class TimedRun(EngineRun):
     def results(self) -> list[dict]:
         results = [self.finished[i] for i in self.ids]
         lengths = {len(r["token_ids"]) for r in results}
-        if lengths != {self.max_tokens}:
+        if self.ignore_eos and lengths != {self.max_tokens}:
             raise RuntimeError(f"{self.name}: expected {self.max_tokens} tokens per request with ignore_eos, "
                                f"got lengths {sorted(lengths)}")
         return results
@@ -323,18 +323,21 @@ def summarize(run: TimedRun, warm: dict) -> dict:
 
 
 def bench_modes(loaded, configs: dict, prompts: list[list[int]], max_tokens: int, interleave: bool = True,
-                log=None, warmup: bool = True) -> dict[str, dict]:
+                log=None, warmup: bool = True, ignore_eos: bool = True, answers: dict | None = None
+                ) -> dict[str, dict]:
     """The named engine configs on fresh engines sharing the loaded model, each warmed up, then
-    all timed on the same prompts."""
+    all timed on the same prompts. `answers`, when given, receives each run's outputs by name."""
     from zipage_jax.engine.llm_engine import LLMEngine
 
     runs, warm = [], {}
     for name, config in configs.items():
         engine = LLMEngine(replace(config, profile_compaction=True), loaded=loaded)
         warm[name] = warm_up(engine, warmup)
-        runs.append(TimedRun(name, engine, prompts, max_tokens))
+        runs.append(TimedRun(name, engine, prompts, max_tokens, ignore_eos))
     drive(runs, interleave)
     rows = {run.name: summarize(run, warm[run.name]) for run in runs}
+    if answers is not None:
+        answers.update({run.name: run.results() for run in runs})
     for name, row in rows.items():
         if log:
             log(f"{name:>12}: {row['throughput']:.1f} tok/s, running mean {row['mean_running']:.1f} peak "
@@ -531,6 +534,57 @@ def run_sweep(workload: Workload, budgets: list[int], policies: list[str], model
     }
 
 
+def run_humaneval(split: str, budget_tokens: int, model: str, options: dict | None = None, limit: int | None = None,
+                  max_tokens: int = 512, block_size: int = 16, interleave: bool = True, log=None,
+                  warmup: bool = True) -> dict:
+    """The paper's table on HumanEval: full KV and the default policy at `budget_tokens`, on one
+    pool that holds every request at that budget, timed side by side on the problems' chat
+    prompts (greedy, ending at EOS); both runs' answers graded, so the pass ratio comes from the
+    very outputs that were timed."""
+    from zipage_jax.chat import chat_prompt_ids
+    from zipage_jax.evals import humaneval as he
+    from zipage_jax.models.loading import load_model
+
+    options = {k: v for k, v in (options or {}).items() if k not in ("eviction_policy", "kvcache_memory_gb")}
+    loaded = load_model(model, dtype=options.get("dtype"))
+    problems = he.load_problems((split,), limit)
+    prompts = [chat_prompt_ids(loaded.tokenizer, he.messages(p)) for p in problems]
+    lengths = [len(p) for p in prompts]
+    workload = Workload(requests=len(prompts), prompt_len_min=min(lengths), prompt_len_max=max(lengths),
+                        max_tokens=max_tokens, block_size=block_size, budget_blocks=-(-budget_tokens // block_size))
+    workload.check()
+    pool = size_pools(workload, loaded, ["auto"], options.get("tensor_parallel_size", 1))["auto"]
+    compressed = f"default@{workload.budget_blocks * block_size}"
+    configs = {"full": engine_config(model, workload, False, options, pool),
+               compressed: engine_config(model, workload, True, options, pool, scoring={})}
+    outputs: dict[str, list[dict]] = {}
+    rows = bench_modes(loaded, configs, prompts, max_tokens, interleave, log, warmup, ignore_eos=False,
+                       answers=outputs)
+    answers = {(name, p.task_id): out for name, outs in outputs.items() for p, out in zip(problems, outs)}
+    statuses = he.grade(problems, answers)
+    for name, row in rows.items():
+        row["passed"] = sum(statuses[name, p.task_id] == "passed" for p in problems)
+        row["pass_at_1"] = row["passed"] / len(problems)
+        row["mean_generated_tokens"] = row["output_tokens"] / len(problems)
+    full, zipage = rows["full"], rows[compressed]
+    return {
+        **pair_summary(full, zipage, pool, float(np.mean(lengths)) + full["mean_generated_tokens"]),
+        "pass_at_1_full": full["pass_at_1"],
+        "pass_at_1_compressed": zipage["pass_at_1"],
+        "pass_ratio": zipage["passed"] / full["passed"] if full["passed"] else None,
+        "tokens_ratio": zipage["mean_generated_tokens"] / full["mean_generated_tokens"],
+        "split": split,
+        "problems": len(problems),
+        "budget_tokens": workload.budget_blocks * block_size,
+        "model": str(loaded.source),
+        "options": options,
+        "interleaved": interleave,
+        "warmup": warmup,
+        "workload": asdict(workload),
+        "runs": rows,
+    }
+
+
 def format_sweep(summary: dict) -> str:
     """The sweep as a Markdown table (full KV first)."""
     lines = ["| policy | budget (blocks / tokens / of context) | tok/s | mean / peak running | preemptions "
@@ -574,7 +628,12 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--budgets", type=int, nargs="+", metavar="M",
                         help="sweep: compressed budgets in blocks (max_cache_blocks_per_seq values)")
     parser.add_argument("--policies", nargs="+", metavar="POLICY", choices=list(POLICIES),
-                        help=f"sweep: eviction policies, of {', '.join(POLICIES)} (default: zipage vnorm-window)")
+                        help=f"sweep: eviction policies, of {', '.join(POLICIES)} (default: zipage vnorm-prompt)")
+    parser.add_argument("--humaneval", choices=("dev", "heldout"),
+                        help="the paper's table on HumanEval's chat prompts of this split: full KV against the "
+                             "default policy at --humaneval-budget, throughput and pass ratio from one run")
+    parser.add_argument("--humaneval-budget", type=int, default=128, help="kv_budget tokens of the compressed run")
+    parser.add_argument("--limit", type=int, help="--humaneval: at most this many problems")
     # engine options: --model, --kvcache-block-size, --num-kvcache-blocks, --max-cache-blocks-per-seq, ...;
     # --no-warmup compiles on first use instead of before timing (that compile time is left out too)
     add_engine_arguments(parser)
@@ -609,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.budgets or args.policies:
         return main_sweep(args, workload, model, options, log)
+    if args.humaneval:
+        return main_humaneval(args, workload, model, options, log)
     workload.check()
     pool = f"{workload.pool_gb} GiB" if workload.pool_gb else f"{workload.num_pool_blocks} blocks"
     log(f"workload: {workload.requests} requests, prompts {workload.prompt_len_min}-{workload.prompt_len_max} "
@@ -624,7 +685,23 @@ def main(argv: list[str] | None = None) -> int:
         f"requests at once")
     if "kv_cache_dtype_comparison" in summary:
         log(format_dtype_comparison(summary["kv_cache_dtype_comparison"]))
-    from run_info import run_info
+    from zipage_jax.run_info import run_info
+
+    summary["run"] = run_info()
+    print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
+    return 0
+
+
+def main_humaneval(args, workload: Workload, model: str, options: dict, log) -> int:
+    summary = run_humaneval(args.humaneval, args.humaneval_budget, model, options, args.limit,
+                            args.max_tokens or 512, workload.block_size, interleave=not args.sequential, log=log,
+                            warmup=args.warmup)
+    log(f"{summary['problems']} {summary['split']} problems, pool {summary['pool']['blocks']} blocks: full KV "
+        f"{summary['throughput_full']:.1f} tok/s (pass@1 {summary['pass_at_1_full']:.3f}), default at "
+        f"{summary['budget_tokens']} tokens {summary['throughput_zipage']:.1f} tok/s (pass@1 "
+        f"{summary['pass_at_1_compressed']:.3f}): speedup {summary['speedup']:.2f}x at pass ratio "
+        f"{summary['pass_ratio']}")
+    from zipage_jax.run_info import run_info
 
     summary["run"] = run_info()
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
@@ -633,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def main_sweep(args, workload: Workload, model: str, options: dict, log) -> int:
     budgets = args.budgets or [workload.budget_blocks]
-    policies = args.policies or ["zipage", "vnorm-window"]
+    policies = args.policies or ["zipage", "vnorm-prompt"]
     swept = sweep_workload(workload, budgets)
     log(f"sweep: {swept.requests} requests, prompts {swept.prompt_len_min}-{swept.prompt_len_max} tokens, "
         f"{swept.max_tokens} generated each; budgets {budgets} blocks, policies {policies}")
@@ -641,7 +718,7 @@ def main_sweep(args, workload: Workload, model: str, options: dict, log) -> int:
                         warmup=args.warmup)
     log(summary["pool_note"])
     log(format_sweep(summary))
-    from run_info import run_info
+    from zipage_jax.run_info import run_info
 
     summary["run"] = run_info()
     print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))

