@@ -102,3 +102,13 @@ def test_reserve_is_validated_and_overridable():
         resolve_budget(policy, policy.options(prompt_fraction=0.75), 2, BS, 4)
     assert resolve_budget(policy, policy.options(prompt_fraction=0.25), 4, BS, 4).prompt_reserve == 16
     assert POLICIES["window"].options(prompt_fraction=0.5).prompt_fraction == 0.0  # no reserve to override
+
+
+def test_a_reserve_the_prompt_cannot_fill_goes_to_the_recent_window():
+    policy = POLICIES["vnorm-prompt"]
+    budget = resolve_budget(policy, policy.defaults, 8, BS, 16)  # 128 tokens: reserve 64, recent 32
+    assert (budget.prompt_reserve, budget.recent, budget.sinks) == (64, 32, 4)
+    rows = compress_rows([budget] * 4, None, [RowSequence(p, 0) for p in (200, 64, 10, 2)])
+    np.testing.assert_array_equal(rows.recent, [32, 32, 32 + 54, 32 + 60])  # never below the sinks
+    np.testing.assert_array_equal(rows.prompt_reserve, [64] * 4)
+    assert (np.minimum(rows.prompt_reserve, np.maximum(rows.prompt_len, 4)) + rows.recent <= budget.tokens).all()

@@ -184,4 +184,7 @@ def compress_rows(budgets: list[KVBudget | None], batch_size: int | None = None,
                 seq = sequences[i]
                 rows.prompt_len[i], rows.position_offset[i], rows.quote_end[i] = seq.prompt_len, seq.evicted, \
                     seq.quote_end
+                # a reserve the prompt cannot fill goes to the recent window (a short prompt,
+                # teacher-forced text): the protected tokens never exceed the admitted ones
+                rows.recent[i] += max(0, budget.prompt_reserve - max(seq.prompt_len, budget.sinks))
     return rows
