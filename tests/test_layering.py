@@ -24,6 +24,7 @@ LAYERS = [
     ("api", ["zipage_jax.llm", "zipage_jax.chat", "zipage_jax.cli_options", "zipage_jax.__main__",
              "zipage_jax.crosscheck", "zipage_jax"]),
     ("server", ["zipage_jax.server"]),
+    ("evals", ["zipage_jax.evals"]),  # task evaluations: the public API and the policy registry
 ]
 # What the server may use of the engine: its public API, not the scheduler, runner or kernels.
 SERVER_MAY_IMPORT = ("zipage_jax.engine.llm_engine", "zipage_jax.engine.outputs", "zipage_jax.engine.stats")

@@ -106,3 +106,12 @@ def test_every_config_runs_in_one_engine(llama_dir):
 def test_task_ids_outside_the_split_are_refused_before_a_model_loads():
     with pytest.raises(SystemExit, match="HumanEval/1"):  # odd: held out, not dev
         he.main(["--split", "dev", "--task-ids", "HumanEval/0", "HumanEval/1", "--model", "/nonexistent"])
+
+
+def test_config_pairs_are_parsed_and_validated():
+    got = he.parse_configs(["streaming@64", "zipage@128"])
+    assert [(c.policy, c.budget) for c in got] == [("full", 0), ("streaming", 64), ("zipage", 128)]
+    with pytest.raises(ValueError, match="POLICY@BUDGET"):
+        he.parse_configs(["streaming"])
+    with pytest.raises(ValueError, match="unknown policy"):
+        he.parse_configs(["nope@64"])

@@ -116,6 +116,17 @@ def configs(policies: Sequence[str], budgets: Sequence[int]) -> list[EvalConfig]
     return [EvalConfig(FULL_KV, 0)] + [EvalConfig(p, b) for p in policies for b in budgets]
 
 
+def parse_configs(pairs: Sequence[str]) -> list[EvalConfig]:
+    """Full KV, then each "policy@budget" pair, validated as `configs` validates."""
+    out = [EvalConfig(FULL_KV, 0)]
+    for pair in pairs:
+        policy, _, budget = pair.partition("@")
+        if not budget.isdigit():
+            raise ValueError(f"a config is POLICY@BUDGET (e.g. streaming@128), got {pair!r}")
+        out += configs([policy], [int(budget)])[1:]
+    return out
+
+
 def generate_answers(llm, problems: Sequence[Problem], eval_configs: Sequence[EvalConfig], max_tokens: int,
                      use_tqdm: bool = True, keep_prompt: bool = False) -> dict[tuple[str, str], dict]:
     """(config name, task id) -> the engine's output dict, every pair in one generate call;
@@ -191,6 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--split", choices=(*SPLITS, "both"), default="both")
     parser.add_argument("--policies", nargs="+", default=["all"], help="eviction policies, or 'all'")
     parser.add_argument("--budgets", nargs="+", type=int, default=list(DEFAULT_BUDGETS), help="kv_budget tokens")
+    parser.add_argument("--configs", nargs="+", default=None, metavar="POLICY@BUDGET",
+                        help="these pairs instead of every policy at every budget (full KV always runs)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many problems per split")
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--kvcache-block-size", type=int, default=16)
@@ -208,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     from zipage_jax.run_info import run_info
 
     policies = list(POLICIES) if args.policies == ["all"] else args.policies
-    eval_configs = configs(policies, args.budgets)
+    eval_configs = configs(policies, args.budgets) if args.configs is None else parse_configs(args.configs)
     problems = load_problems(SPLITS if args.split == "both" else (args.split,), args.limit)
     if args.task_ids is not None:
         unknown = set(args.task_ids) - {p.task_id for p in problems}
