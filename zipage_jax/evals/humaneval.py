@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
                           for k, a in answers.items()]}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(result, f)  # one line, as every JSON result in docs/
+            f.write("\n")
     return result
 
 
