@@ -107,7 +107,7 @@ def score_layer(
     scores = lax.cond(jnp.any(rkv), lambda: jnp.where(per_row(rkv), redundancy_aware(
         scores, redundancy(k_pool, block_tables, num_blocks, dataclasses.replace(cfg, redundancy="raw")), valid),
         scores), lambda: scores)
-    pos = jnp.arange(width * block_size, dtype=jnp.float32).reshape(width, block_size)
+    pos = _slots(width, block_size).astype(jnp.float32)
     scores = jnp.where(per_row(by_position), pos, scores)  # later = higher
     final = protect_and_mask(scores, valid, num_blocks, rows)
     if positions is None:
