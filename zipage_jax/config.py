@@ -16,6 +16,8 @@ from pallas_kernels.kv_quant import KV_CACHE_DTYPES
 from zipage_jax.compress.config import CompressionConfig
 from zipage_jax.compress.policies import DEFAULT_POLICY, get_policy
 
+PROMPT_COMPRESSION = ("bounded", "deferred")
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
@@ -34,6 +36,10 @@ class EngineConfig:
     # compression (None = full KV)
     max_cache_blocks_per_seq: int | None = None
     query_cache_len: int = 16
+    # a prompt longer than its budget: "bounded" compacts between chunks (peak: budget + one chunk),
+    # "deferred" once at the prompt's end (peak: the whole prompt); SamplingParams.prompt_compression overrides it
+    prompt_compression: Literal["bounded", "deferred"] = "bounded"
+    prompt_window: int = 32  # the prompt's last tokens whose queries score each compaction inside the prompt; 0: off
     compression: CompressionConfig = field(default_factory=CompressionConfig)  # scoring options
     eviction_policy: str = DEFAULT_POLICY  # compress/policies.py; SamplingParams.eviction_policy overrides it
     sink_len: int | None = None  # protected first tokens; None: each policy's own (zipage 0, others 4)
@@ -69,6 +75,11 @@ class EngineConfig:
             _positive("max_cache_blocks_per_seq", self.max_cache_blocks_per_seq)
         if not 1 <= self.query_cache_len <= bs:
             raise ValueError(f"query_cache_len must be in [1, kvcache_block_size={bs}], got {self.query_cache_len}")
+        if self.prompt_compression not in PROMPT_COMPRESSION:
+            raise ValueError(f"prompt_compression must be one of {', '.join(PROMPT_COMPRESSION)}, "
+                             f"got {self.prompt_compression!r}")
+        if not isinstance(self.prompt_window, int) or isinstance(self.prompt_window, bool) or self.prompt_window < 0:
+            raise ValueError(f"prompt_window must be an integer >= 0, got {self.prompt_window!r}")
         if not isinstance(self.compression, CompressionConfig):
             raise ValueError(f"compression must be a CompressionConfig, got {type(self.compression).__name__}")
         get_policy(self.eviction_policy)
@@ -99,6 +110,12 @@ class EngineConfig:
                 raise ValueError("give the scoring options either flat or as compression=, not both")
             options["compression"] = CompressionConfig(**scoring)
         return cls(**options)
+
+    @property
+    def prompt_tail_len(self) -> int:
+        """The prompt tail's tokens: prompt_window, at most half of a step's tokens (the chunk reaching
+        a compaction point carries them)."""
+        return min(self.prompt_window, self.max_num_batched_tokens // 2)
 
     @property
     def row_size(self) -> int:

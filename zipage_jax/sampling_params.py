@@ -92,6 +92,9 @@ class SamplingParams:
     # The prompt is kept whole, outside kv_budget: the sequence holds its prompt plus kv_budget tokens
     # (TensorRT-LLM's TriAttention keeps prompts this way); False: kv_budget bounds the prompt too.
     keep_prompt: bool = False
+    # A prompt longer than kv_budget: "bounded" compacts between prefill chunks (peak: budget + one chunk),
+    # "deferred" once at the prompt's end (peak: the whole prompt); None: the engine's prompt_compression.
+    prompt_compression: str | None = None
     # Teacher forcing: the first output tokens are these instead of sampled ones, decoded one per step
     # (so compression runs as in generation); their log-probabilities are reported as for sampled tokens.
     forced_token_ids: Sequence[int] | None = None  # normalised to a tuple
@@ -122,6 +125,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "keep_prompt"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.prompt_compression not in (None, "bounded", "deferred"):
+            raise ValueError(f"prompt_compression must be bounded or deferred, got {self.prompt_compression!r}")
         _integer("max_tokens", self.max_tokens, low=1, high=INT32_MAX)
         _integer("min_tokens", self.min_tokens, low=0, high=INT32_MAX)
         if self.min_tokens > self.max_tokens:

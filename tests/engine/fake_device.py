@@ -25,8 +25,11 @@ class FakeDevice:
         self.queries: list[list[Entry]] = [[None] * query_cache_len for _ in range(num_query_slots)]
         self.rng = random.Random(seed)
 
-    def write(self, seq: Sequence, start: int, num_tokens: int) -> None:
-        """A chunk, as the runner writes it: positions start.. go to physical slots num_kv_slots.."""
+    def write(self, seq: Sequence, start: int, num_tokens: int, tail: int = 0, tail_start: int = 0,
+              tail_blocks: list[int] = ()) -> None:
+        """A chunk, as the runner writes it: positions start.. go to physical slots num_kv_slots..;
+        a prompt tail's positions follow in its scratch blocks, and the last QL of both (only
+        those) are the cached queries."""
         bs = self.bs
         for i in range(num_tokens):
             phys, pos = seq.num_kv_slots + i, start + i
@@ -34,8 +37,15 @@ class FakeDevice:
             assert block != DUMMY_BLOCK, "a chunk writes into the dummy block"
             self.pool[block][phys % bs] = (seq.token_ids[pos], pos)
             offset = phys % bs - (bs - self.ql)
-            if seq.query_slot is not None and offset >= 0:
+            if seq.query_slot is not None and offset >= 0 and not tail:
                 self.queries[seq.query_slot][offset] = (seq.seq_id, pos)
+        if tail:
+            first = tail_start
+            for j, pos in enumerate(range(first, first + tail)):
+                self.pool[tail_blocks[j // bs]][j % bs] = (seq.token_ids[pos], pos)
+            observed = list(range(start, start + num_tokens)) + list(range(first, first + tail))
+            for row, pos in zip(range(self.ql - 1, -1, -1), reversed(observed)):
+                self.queries[seq.query_slot][row] = (seq.seq_id, pos)
 
     def compact(self, plan: CompressionPlan) -> None:
         """Keep a random, order-preserving M*BS of the source tokens in the first M target blocks."""
@@ -62,11 +72,15 @@ class FakeDevice:
         else:
             assert positions == list(range(seq.num_computed_tokens)), f"seq {seq.seq_id}: positions {positions}"
 
-    def check_query_tail(self, seq: Sequence) -> None:
-        """At compression the query cache holds the queries of the sequence's last QL tokens."""
+    def check_query_tail(self, seq: Sequence, observed: list[int] | None = None) -> None:
+        """At compression the query cache holds the queries of the sequence's last QL tokens, or
+        (after a prompt tail) the last of `observed`: the chunk's positions, then the tail's."""
         assert seq.query_slot is not None, f"seq {seq.seq_id} compresses without a query slot"
-        n = seq.num_computed_tokens
-        assert self.queries[seq.query_slot] == [(seq.seq_id, n - self.ql + i) for i in range(self.ql)]
+        if observed is None:
+            n = seq.num_computed_tokens
+            observed = list(range(n - self.ql, n))
+        k = min(self.ql, len(observed))
+        assert self.queries[seq.query_slot][self.ql - k:] == [(seq.seq_id, p) for p in observed[-k:]]
 
 
 def check_block_manager(bm: BlockManager, seqs: list[Sequence], device: FakeDevice | None = None,

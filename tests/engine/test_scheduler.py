@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -21,11 +22,12 @@ class Loop:
 
     def __init__(self, num_blocks: int, bs: int = 4, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
                  num_query_slots: int = 8, max_compress_seqs: int = 8, prefix_caching: bool = True,
-                 query_cache_len: int = 2, seed: int = 0):
+                 query_cache_len: int = 2, seed: int = 0, prompt_window: int = 0):
         self.bs, self.ql = bs, query_cache_len
         self.bm = BlockManager(num_blocks, bs, prefix_caching)
         self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                               num_query_slots=num_query_slots, max_compress_seqs=max_compress_seqs)
+                               num_query_slots=num_query_slots, max_compress_seqs=max_compress_seqs,
+                               prompt_window=prompt_window)
         self.device = FakeDevice(num_blocks, bs, num_query_slots, query_cache_len, seed)
         self.rng = random.Random(seed)
         self.max_tokens: dict[Sequence, int] = {}
@@ -34,29 +36,42 @@ class Loop:
         self.history: list[SchedulerOutput] = []
         self.compactions: list[tuple[Sequence, int]] = []  # (sequence, its computed tokens then)
         self.slots_in_use = 0  # most query slots ever held at once
+        self.tails: list[tuple[Sequence, int, int]] = []  # (sequence, chunk end, tail tokens)
+        self.observed: dict[Sequence, list[int]] = {}  # positions whose queries a tail chunk cached
 
     def add(self, token_ids: list[int], max_tokens: int, budget: int | None = None,
-            parent: Sequence | None = None) -> Sequence:
-        seq = Sequence(list(token_ids), self.bs, budget=zipage_budget(budget, self.bs, self.ql), parent=parent,
-                       query_cache_len=self.ql)
+            parent: Sequence | None = None, deferred: bool = False) -> Sequence:
+        kv_budget = zipage_budget(budget, self.bs, self.ql)
+        if deferred:
+            kv_budget = dataclasses.replace(kv_budget, deferred=True)
+        seq = Sequence(list(token_ids), self.bs, budget=kv_budget, parent=parent, query_cache_len=self.ql)
         self.max_tokens[seq] = max_tokens
         self.seqs.append(seq)
         self.sched.add(seq)
         return seq
 
     def step(self) -> SchedulerOutput:
-        before = {s: _state(s, self.bs, self.sched.chunk_blocks) for s in self.seqs}
+        before = {s: _state(s, self.bs, self.sched) for s in self.seqs}
         running, waiting = list(self.sched.running), list(self.sched.waiting)
         out = self.sched.schedule()
         self._check_output(out, before, running, waiting)
         for plan in out.compressions:
-            self.device.check_query_tail(plan.seq)
+            self.device.check_query_tail(plan.seq, self.observed.pop(plan.seq, None))
             self.device.compact(plan)
             self.compactions.append((plan.seq, plan.seq.num_computed_tokens))
         evicted = self.sched.finish_compressions(out)
         assert evicted == sum(before[p.seq]["kv"] - p.seq.budget_blocks * self.bs for p in out.compressions)
         for chunk in out.chunks:
-            self.device.write(chunk.seq, chunk.start, chunk.num_tokens)
+            seq = chunk.seq
+            self.device.write(seq, chunk.start, chunk.num_tokens, chunk.tail, chunk.tail_start, chunk.tail_blocks)
+            self.observed.pop(seq, None)
+            if chunk.tail:
+                first = chunk.tail_start
+                assert first >= chunk.start + chunk.num_tokens and first + chunk.tail == seq.num_prefill_tokens
+                self.observed[seq] = (list(range(chunk.start, chunk.start + chunk.num_tokens))
+                                      + list(range(first, first + chunk.tail)))
+                self.tails.append((seq, chunk.start + chunk.num_tokens, chunk.tail))
+            self.sched.release_tail(chunk)
         for chunk in out.chunks:
             seq = chunk.seq
             if seq not in self.admitted:
@@ -83,7 +98,14 @@ class Loop:
 
     def _check_output(self, out, before, running, waiting) -> None:
         sched, bs = self.sched, self.bs
-        assert sum(c.num_tokens for c in out.chunks) <= sched.max_num_batched_tokens
+        assert sum(c.num_tokens + c.tail for c in out.chunks) <= sched.max_num_batched_tokens
+        rows = sum(-(-c.num_tokens // sched.prefill_row_size) + -(-c.tail // sched.prefill_row_size)
+                   for c in out.chunks if c.num_tokens > 1 or c.tail)
+        assert rows <= sched.max_num_batched_tokens // sched.prefill_row_size
+        for c in out.chunks:  # a tail's scratch blocks: its own, outside every table
+            assert len(c.tail_blocks) == -(-c.tail // bs)
+            assert all(self.bm.blocks[b].ref_count == 1 for b in c.tail_blocks)
+            assert not set(c.tail_blocks) & {b for s in self.seqs for b in s.block_table}
         assert len(sched.running) <= sched.max_num_seqs
         assert len({c.seq for c in out.chunks}) == len(out.chunks)
         for c in out.chunks:
@@ -144,7 +166,7 @@ class Loop:
                     "a compressed sequence grew"
             else:
                 assert len(s.block_table) == -(-s.num_kv_slots // self.bs)
-            if s.budget is not None:
+            if s.budget is not None and not s.budget.deferred:
                 assert len(s.block_table) <= s.budget_blocks + max(1, self.sched.chunk_blocks), "past budget + one chunk"
 
     def check_all_freed(self) -> None:
@@ -153,11 +175,12 @@ class Loop:
         assert self.sched.query_slots.in_use == 0, "query slots leaked"
 
 
-def _state(seq: Sequence, bs: int, chunk_blocks: int) -> dict:
-    # full: at its budget and one chunk while computing its prompt, at its budget and the next block after it
+def _state(seq: Sequence, bs: int, sched: Scheduler) -> dict:
+    # full: at its compaction point while computing its prompt, at its budget and the next block after it
     m = seq.budget_blocks
-    peak = None if m is None else m + (chunk_blocks if seq.num_computed_tokens < seq.num_prefill_tokens else 1)
-    full = (m is not None and seq.status == SequenceStatus.RUNNING
+    in_prompt = seq.num_computed_tokens < seq.num_prefill_tokens
+    peak = None if m is None else (sched.prompt.point(seq) if in_prompt else m + 1)
+    full = (m is not None and peak is not None and seq.status == SequenceStatus.RUNNING
             and len(seq.block_table) >= peak and seq.num_kv_slots == len(seq.block_table) * bs)
     return dict(full=full, kv=seq.num_kv_slots, compressed=seq.compressed, compressing=seq.compressing)
 
@@ -458,6 +481,8 @@ def test_abort_frees_waiting_and_running_sequences():
 def workloads(draw):
     bs = draw(st.sampled_from([2, 4]))
     ql = draw(st.integers(1, bs))
+    max_num_batched_tokens = draw(st.integers(1, 12))
+    window = draw(st.integers(0, min(3, max_num_batched_tokens - 1)))  # the prompt tail's tokens
     requests, need = [], 0
     for _ in range(draw(st.integers(1, 6))):
         family = draw(st.integers(0, 2))  # prompts of one family share a prefix
@@ -467,15 +492,15 @@ def workloads(draw):
         if m is None:
             blocks = -(-(len(p) + k) // bs)
         else:  # prefilled in full (+1 block of output before it compresses), then fresh blocks for shared ones
-            blocks = -(-max(len(p), (m + 1) * bs) // bs) + 1 + m + 1
+            blocks = -(-max(len(p), (m + 1) * bs) // bs) + 1 + m + 1 + -(-window // bs)  # and a tail's
         need = max(need, blocks)
         requests.append(dict(prompt=p, max_tokens=k, budget=m, n=draw(st.integers(1, 3)),
-                             arrival=draw(st.integers(0, 12))))
+                             arrival=draw(st.integers(0, 12)), deferred=m is not None and draw(st.booleans())))
     return dict(
-        bs=bs, ql=ql, requests=requests,
+        bs=bs, ql=ql, requests=requests, prompt_window=window,
         num_blocks=need + 1 + draw(st.integers(0, 4)),
         max_num_seqs=draw(st.integers(1, 6)),
-        max_num_batched_tokens=draw(st.integers(1, 12)),
+        max_num_batched_tokens=max_num_batched_tokens,
         num_query_slots=draw(st.integers(1, 4)),
         max_compress_seqs=draw(st.integers(1, 3)),
         prefix_caching=draw(st.booleans()),
@@ -489,15 +514,15 @@ def test_random_workloads_on_tiny_pools_always_finish(w):
     loop = Loop(w["num_blocks"], w["bs"], max_num_seqs=w["max_num_seqs"],
                 max_num_batched_tokens=w["max_num_batched_tokens"], num_query_slots=w["num_query_slots"],
                 max_compress_seqs=w["max_compress_seqs"], prefix_caching=w["prefix_caching"],
-                query_cache_len=w["ql"])
+                query_cache_len=w["ql"], prompt_window=w["prompt_window"])
     pending = sorted(w["requests"], key=lambda r: r["arrival"])
     aborted = None
     for step in range(3000):
         while pending and pending[0]["arrival"] <= step:
             r = pending.pop(0)
-            parent = loop.add(r["prompt"], r["max_tokens"], r["budget"])
+            parent = loop.add(r["prompt"], r["max_tokens"], r["budget"], deferred=r["deferred"])
             for _ in range(r["n"] - 1):
-                loop.add(r["prompt"], r["max_tokens"], r["budget"], parent=parent)
+                loop.add(r["prompt"], r["max_tokens"], r["budget"], parent=parent, deferred=r["deferred"])
         if step == w["abort"] and loop.seqs:
             aborted = loop.seqs[-1]
             loop.sched.finish(aborted)
@@ -551,3 +576,59 @@ def test_a_step_of_one_row_still_admits_a_prefill_beside_a_decode():
     sched.add(Sequence([3, 4, 5, 6, 7], 4))
     out = sched.schedule()
     assert sorted(c.num_tokens for c in out.chunks) == [1, 5]  # the decode and the whole 5-token prompt
+
+
+# -- prompt tails and deferred prompts -----------------------------------------------------------
+
+
+def test_each_compaction_in_a_prompt_is_scored_by_the_prompt_tail_within_budget_and_one_chunk():
+    bs, m, chunk, window = 4, 2, 12, 3  # one tail block: two blocks of room between compactions
+    loop = Loop(64, bs, max_num_batched_tokens=chunk, query_cache_len=2, prompt_window=window)
+    seq = loop.add(prompt(64, 0), max_tokens=3, budget=m)
+    loop.run()
+    compacted = [n for s, n in loop.compactions if s is seq]
+    in_prompt = [n for n in compacted if n < 64]
+    assert in_prompt == list(range((m + 2) * bs, 64, 2 * bs))  # 16, 24, ..., 56
+    # the chunk reaching each point carries the prompt's last 3 tokens (positions 61..63)
+    assert [(end, t) for s, end, t in loop.tails if s is seq] == [(n, window) for n in in_prompt]
+    assert seq.metrics.kv_blocks_peak == m + chunk // bs  # the tail's block inside the budget and one chunk
+    loop.check_all_freed()
+
+
+def test_a_prompt_tail_is_only_what_the_prompt_has_left():
+    bs, m = 4, 1
+    loop = Loop(64, bs, max_num_batched_tokens=8, query_cache_len=2, prompt_window=3)
+    seq = loop.add(prompt(4 * bs + 2, 0), max_tokens=2, budget=m)  # points at 8 and 12, two tokens after 16
+    loop.run()
+    assert [(end, t) for s, end, t in loop.tails if s is seq] == [(8, 3), (12, 3), (16, 2)]
+    loop.check_all_freed()
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_compactions_and_tails_do_not_depend_on_how_the_prompt_was_cut(window):
+    def run(with_neighbour: bool):
+        loop = Loop(64, 4, max_num_batched_tokens=8, prompt_window=window)
+        if with_neighbour:  # a decode takes a token of every step: the prompt's chunks are cut otherwise
+            loop.add(prompt(3, 1), max_tokens=40)
+            loop.step()
+        seq = loop.add(prompt(50, 0), max_tokens=4, budget=2)
+        loop.run()
+        return [n for s, n in loop.compactions if s is seq], [(e, t) for s, e, t in loop.tails if s is seq]
+
+    alone, beside = run(False), run(True)
+    assert alone == beside and alone[0] != []
+    assert bool(alone[1]) == bool(window)
+
+
+def test_a_deferred_prompt_compacts_once_at_its_last_full_block():
+    bs, m = 4, 2
+    loop = Loop(64, bs, max_num_batched_tokens=8, query_cache_len=2, prompt_window=3)
+    seq = loop.add(prompt(50, 0), max_tokens=6, budget=m, deferred=True)
+    loop.run()
+    compacted = [n for s, n in loop.compactions if s is seq]
+    assert compacted[0] == 48  # the prompt's last full block; its two last tokens follow
+    assert [(end, t) for s, end, t in loop.tails if s is seq] == [(48, 2)]
+    assert all(n > 50 for n in compacted[1:])  # then in decode only
+    assert seq.metrics.kv_blocks_peak == 13  # the whole prompt (12 full blocks and the tail's)
+    loop.check_all_freed()
+

@@ -21,6 +21,9 @@ class CompressionConfig:
     enable_pooling: bool = False
     continues_pooling: bool = False
     pooling_size: int = 5
+    # max-pool kernel over the scores of a compaction inside a prompt (SnapKV's pooling): a token
+    # the prompt's end attends to keeps its neighbours, so a span survives whole; 1: off
+    prompt_pooling_size: int = 15
     redundancy: Redundancy = "none"
     redundancy_lambda: float = 0.2
     redundancy_temperature: float = 0.4
@@ -32,6 +35,9 @@ class CompressionConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.pooling_size, int) or self.pooling_size < 1 or self.pooling_size % 2 == 0:
             raise ValueError(f"pooling_size must be a positive odd number, got {self.pooling_size!r}")
+        if not isinstance(self.prompt_pooling_size, int) or self.prompt_pooling_size < 1 \
+                or self.prompt_pooling_size % 2 == 0:
+            raise ValueError(f"prompt_pooling_size must be a positive odd number, got {self.prompt_pooling_size!r}")
         if self.redundancy not in ("none", "lightning", "raw"):
             raise ValueError(f"redundancy must be none, lightning or raw, got {self.redundancy!r}")
         if not 0.0 <= self.redundancy_lambda <= 1.0:

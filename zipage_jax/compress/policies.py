@@ -133,6 +133,7 @@ class KVBudget:
     sinks: int  # first positions protected
     recent: int  # last positions protected
     prompt_reserve: int = 0  # the best-scored prompt tokens protected (sinks among them)
+    deferred: bool = False  # a long prompt compacts once, at its end, not between chunks (engine/prompt_compaction.py)
 
 
 def resolve_budget(policy: Policy, options: PolicyOptions, blocks: int, block_size: int,
@@ -160,6 +161,7 @@ class CompressRows(NamedTuple):
     prompt_len: np.ndarray  # int32 the prompt's tokens: positions < prompt_len are the prompt's
     position_offset: np.ndarray  # int32 position - slot of the tokens written since the last compaction
     quote_end: np.ndarray  # int32 the answer has quoted the prompt up to here (compress/quotes.py)
+    in_prompt: np.ndarray  # int32 1: the sequence has computed no output yet (scores max-pooled, prompt_pooling_size)
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,7 @@ class RowSequence:
     prompt_len: int  # tokens of the prompt
     evicted: int  # tokens evicted so far (its position minus its slot, for the newest token)
     quote_end: int = 0  # prompt position the answer has quoted up to
+    in_prompt: bool = False  # no output computed yet: a compaction of the prompt
 
 
 def compress_rows(budgets: list[KVBudget | None], batch_size: int | None = None,
@@ -184,6 +187,7 @@ def compress_rows(budgets: list[KVBudget | None], batch_size: int | None = None,
                 seq = sequences[i]
                 rows.prompt_len[i], rows.position_offset[i], rows.quote_end[i] = seq.prompt_len, seq.evicted, \
                     seq.quote_end
+                rows.in_prompt[i] = seq.in_prompt
                 # a reserve the prompt cannot fill goes to the recent window (a short prompt,
                 # teacher-forced text): the protected tokens never exceed the admitted ones
                 rows.recent[i] += max(0, budget.prompt_reserve - max(seq.prompt_len, budget.sinks))

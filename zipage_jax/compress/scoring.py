@@ -98,6 +98,10 @@ def score_layer(
         global_ = scores
     if cfg.enable_pooling:
         scores = pooled = max_pool(scores, compressed, cfg)
+    if cfg.prompt_pooling_size > 1:
+        prompt_rows = rows.in_prompt > 0
+        scores = lax.cond(jnp.any(prompt_rows), lambda: jnp.where(
+            per_row(prompt_rows), window_max(scores, cfg.prompt_pooling_size), scores), lambda: scores)
     if cfg.redundancy != "none":
         red = redundancy(k_pool, block_tables, num_blocks, cfg)
         if cfg.use_global_score and cfg.max_norm:
@@ -215,15 +219,19 @@ def global_score(
 
 def max_pool(scores: jax.Array, compressed: jax.Array, cfg: CompressionConfig) -> jax.Array:
     """Step 3: max pooling along the whole table row (stride 1, same padding)."""
-    batch, num_kv_heads, width, block_size = scores.shape
-    size = cfg.pooling_size
-    flat = scores.reshape(batch, num_kv_heads, width * block_size)
-    pooled = lax.reduce_window(
-        flat, -jnp.inf, lax.max, (1, 1, size), (1, 1, 1), ((0, 0), (0, 0), (size // 2, size // 2))
-    ).reshape(scores.shape)
+    pooled = window_max(scores, cfg.pooling_size)
     if cfg.continues_pooling:
         return pooled
     return jnp.where(compressed[:, None, None, None], scores, pooled)
+
+
+def window_max(scores: jax.Array, size: int) -> jax.Array:
+    """The max over a window of `size` slots centred on each slot of a table row, [B, Hkv, W, BS]."""
+    batch, num_kv_heads, width, block_size = scores.shape
+    flat = scores.reshape(batch, num_kv_heads, width * block_size)
+    return lax.reduce_window(
+        flat, -jnp.inf, lax.max, (1, 1, size), (1, 1, 1), ((0, 0), (0, 0), (size // 2, size // 2))
+    ).reshape(scores.shape)
 
 
 def redundancy(

@@ -20,6 +20,7 @@ from zipage_jax.compress.policies import POLICIES, KVBudget, resolve_budget
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.grammar import GrammarCompiler
 from zipage_jax.engine.pool_plan import KVPoolPlan
+from zipage_jax.engine.prompt_compaction import PromptCompaction
 from zipage_jax.engine.request import Request
 from zipage_jax.engine.sequence import Sequence
 from zipage_jax.engine.stop_checker import StopChecker
@@ -34,6 +35,7 @@ class Admission:
         self.model_vocab_size = vocab_size
         self.eos_token_ids, self.special_ids = eos_token_ids, special_ids
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self.prompt = PromptCompaction.of(pool.block_size, config.max_num_batched_tokens, config.prompt_tail_len)
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
 
@@ -79,8 +81,9 @@ class Admission:
         policy's options with the engine's sink_len / recent_fraction / prompt_fraction, and its
         budget in blocks (kv_budget tokens rounded up, or max_cache_blocks_per_seq; with
         keep_prompt, the prompt's tokens on top, all in the prompt reserve); None = full KV. The pool
-        must hold the budget and the next block, and with a longer prompt the budget and one
-        prefill chunk (max_num_batched_tokens)."""
+        must hold the budget and the next block, and with a longer prompt its peak
+        (`PromptCompaction.peak_blocks`: the budget and one prefill chunk, or the whole prompt
+        when deferred)."""
         config, bs = self.config, self.pool.block_size
         if params.kv_budget == 0:
             return None
@@ -94,16 +97,16 @@ class Admission:
             blocks = -(-(prompt_len + budget.tokens) // bs)
             budget = dataclasses.replace(budget, blocks=blocks, tokens=blocks * bs,
                                          prompt_reserve=max(prompt_len, budget.sinks))
-        # a prompt longer than the budget holds up to the budget and one chunk between compactions
-        chunk_peak = min(blocks + max(1, config.max_num_batched_tokens // bs), -(-prompt_len // bs))
-        peak = max(blocks + 1, chunk_peak)
+        deferred = (params.prompt_compression or config.prompt_compression) == "deferred"
+        budget = dataclasses.replace(budget, deferred=deferred)
+        peak = self.prompt.peak_blocks(blocks, prompt_len, deferred)
         if blocks + 1 > self.pool.num_usable_blocks:
             raise ValueError(f"kv_budget of {blocks} blocks does not fit in the KV pool")
         if peak > self.pool.num_usable_blocks:
+            how = ("the whole prompt (prompt_compression deferred)" if deferred else
+                   f"the budget and one prefill chunk of max_num_batched_tokens={config.max_num_batched_tokens}")
             raise ValueError(f"a prompt of {prompt_len} tokens with a kv_budget of {blocks} blocks needs {peak} "
-                             f"blocks at its peak (the budget and one prefill chunk of "
-                             f"max_num_batched_tokens={config.max_num_batched_tokens}); the KV pool has "
-                             f"{self.pool.num_usable_blocks}")
+                             f"blocks at its peak ({how}); the KV pool has {self.pool.num_usable_blocks}")
         return budget
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:

@@ -135,6 +135,15 @@ class BlockManager:
         seq.metrics.kv_blocks_peak = max(seq.metrics.kv_blocks_peak, len(seq.block_table))
         return True
 
+    def allocate_scratch(self, num_blocks: int) -> list[int]:
+        """Blocks held outside any sequence's table for one step (a prompt tail's K/V); the caller
+        checked that enough are free."""
+        return [self._take_free() for _ in range(num_blocks)]
+
+    def free_scratch(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
+            self._release(block_id)
+
     def free(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
             self._release(block_id)

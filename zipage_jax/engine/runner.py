@@ -307,8 +307,9 @@ class ModelRunner:
             query_ids[i] = seq.query_slot
             compressed[i] = seq.compressed
         rows = compress_rows([plan.seq.budget for plan in plans], b, [
-            RowSequence(plan.seq.num_prompt_tokens, plan.seq.num_computed_tokens - plan.seq.num_kv_slots,
-                        plan.seq.quote_end) for plan in plans])
+            RowSequence(seq.num_prompt_tokens, seq.num_computed_tokens - seq.num_kv_slots, seq.quote_end,
+                        in_prompt=seq.num_computed_tokens <= seq.num_prefill_tokens)
+            for seq in (plan.seq for plan in plans)])
         profile = self.config.profile_compaction
         if profile:  # time the compaction alone, not the forward step still in flight
             jax.block_until_ready(self.state)
@@ -340,7 +341,7 @@ class ModelRunner:
             self._prefetch_decode(bucket(decoding_next))
         pending = []
         for is_decode in (True, False):
-            picked = [(c, r) for c, r in rows if (c.num_tokens == 1) == is_decode]
+            picked = [(c, r) for c, r in rows if (c.num_tokens + c.tail == 1) == is_decode]
             if picked:
                 batch = self._dispatch_batch(picked, is_decode, failures)
                 if batch is not None:
@@ -426,23 +427,34 @@ class ModelRunner:
         return self.max_blocks * (self.block_size // self.page)
 
     def _chunk_rows(self, chunk: Chunk, srow: SamplingRow, c: int) -> list[tuple[dict, SamplingRow]]:
-        """The rows one chunk takes in a step of c-token rows: (input values, sampling row) each."""
-        seq, n = chunk.seq, chunk.num_tokens
+        """The rows one chunk takes in a step of c-token rows: (input values, sampling row) each.
+
+        A chunk with a prompt tail (engine/prompt_compaction.py) is followed by rows of the tail's
+        tokens at their own positions: their K/V go to the chunk's scratch blocks (seen by the tail
+        only), their last queries to the sequence's query slot, and their sampling rows are the
+        padding slot's (their tokens are neither counted for penalties nor sampled)."""
+        seq, n, t = chunk.seq, chunk.num_tokens, chunk.tail
         bs, ql = self.block_size, self.query_cache_len
         pad_query = self.num_query_slots * ql
         table = np.asarray(seq.block_table, np.int32)
+        end = seq.num_kv_slots + n
+        used = np.concatenate([table[:-(-end // bs)], np.asarray(chunk.tail_blocks, np.int32)])
         by_block = uses_block_tables(self.backend, c)
         if by_block:
-            tables = table
+            tables = used
         else:
             per_block = bs // self.page
-            tables = (table[:, None] * per_block + np.arange(per_block, dtype=np.int32)).reshape(-1)
-        tables = tables[:-(-(seq.num_kv_slots + n) // (bs if by_block else self.page))]
-        phys = seq.num_kv_slots + np.arange(n)
-        tokens = np.asarray(seq.token_ids[chunk.start:chunk.start + n], np.int32)  # PENDING: read on the device
-        slots = table[phys // bs] * bs + phys % bs
-        query_index = np.full(n, pad_query, np.int32)
-        if seq.query_slot is not None:
+            tables = (used[:, None] * per_block + np.arange(per_block, dtype=np.int32)).reshape(-1)
+        tables = tables[:-(-(end + t) // (bs if by_block else self.page))]
+        phys = seq.num_kv_slots + np.arange(n + t)  # the tail's slots follow the chunk's, in its scratch blocks
+        tokens = np.asarray(seq.token_ids[chunk.start:chunk.start + n]
+                            + seq.token_ids[chunk.tail_start:chunk.tail_start + t], np.int32)  # PENDING: read on the device
+        slots = used[phys // bs] * bs + phys % bs
+        query_index = np.full(n + t, pad_query, np.int32)
+        if seq.query_slot is not None and t:
+            row = np.arange(n + t) - (n + t - ql)  # the last ql queries, the tail's last
+            query_index = np.where(row >= 0, seq.query_slot * ql + row, pad_query)
+        elif seq.query_slot is not None:
             # the query tail of the chunk's last block that has one: a compaction scores with the
             # queries of the sequence's newest full block (one write per query row and step)
             offset = phys % bs - query_tail_start(bs, ql)
@@ -450,20 +462,26 @@ class ModelRunner:
             if len(tails):
                 cached = (offset >= 0) & (phys // bs == tails.max())
                 query_index = np.where(cached, seq.query_slot * ql + offset, pad_query)
-        positions = chunk.start + np.arange(n)
-        prompt_targets = _prompt_targets(chunk) if seq.computes_prompt_logprobs else None  # else all -1
-        n_rows = -(-n // c)
+        positions = np.concatenate([chunk.start + np.arange(n), chunk.tail_start + np.arange(t)])
+        prompt_targets = None
+        if seq.computes_prompt_logprobs:  # else all -1
+            prompt_targets = np.concatenate([_prompt_targets(chunk), np.full(t, -1, np.int32)])
         SamplingArrays.check(srow, self.suppress_width)
+        parts = [slice(j, min(n, j + c)) for j in range(0, n, c)]
+        tail_row = dataclasses.replace(srow, slot=self.pad_slot, reset=False, samples=False)
         rows = []
-        for j in range(n_rows):
-            part = slice(j * c, min(n, (j + 1) * c))
+        for j, part in enumerate(parts + [slice(k, min(n + t, k + c)) for k in range(n, n + t, c)]):
             values = dict(tokens=tokens[part], positions=positions[part], slots=slots[part],
                           query_index=query_index[part], kv_lens=phys[part] + 1, block_tables=tables,
                           last_index=part.stop - part.start - 1)
             if prompt_targets is not None:
                 values["prompt_targets"] = prompt_targets[part]
-            last = j == n_rows - 1
-            rows.append((values, dataclasses.replace(srow, reset=srow.reset and j == 0, samples=srow.samples and last)))
+            if j >= len(parts):
+                rows.append((values, tail_row))
+            else:
+                last = j == len(parts) - 1
+                rows.append((values, dataclasses.replace(srow, reset=srow.reset and j == 0,
+                                                         samples=srow.samples and last)))
         return rows
 
     def seed_history(self, seq: Sequence) -> None:

@@ -3,15 +3,16 @@
 FCFS; running sequences first (decodes and prefill chunks), then admission from the waiting
 queue, all under `max_num_batched_tokens`. Prefill chunks are laid over rows of
 `prefill_row_size` tokens, and a step holds at most max_num_batched_tokens / prefill_row_size
-prefill rows, so the prefill step's shape stays within the compiled grid. A sequence at its KV budget is compressed instead
-of growing, in prefill too: while a sequence computes its prompt (after a recompute, every
-token it had) it holds at most its budget
-and one chunk's blocks (`chunk_blocks` = max_num_batched_tokens / block size), and compacts
-whenever it reaches that; once past its prompt, whenever its M + 1 blocks are full. Both points
-depend on the sequence alone, not on how its prompt was cut into chunks, so a request's output
-does not depend on the batch it ran in. Compressed sequences are suspended, never preempted. Preemption is by recompute,
-the victim being the most recently admitted sequence that may be preempted. A sequence whose
-last token is sampled (perhaps still on its way to the host) is not scheduled again.
+prefill rows, so the prefill step's shape stays within the compiled grid. A sequence at its KV
+budget is compressed instead of growing, in prefill too: while a sequence computes its prompt
+(after a recompute, every token it had) it compacts at the points of `PromptCompaction`
+(engine/prompt_compaction.py: bounded, within the budget and one chunk, each compaction scored
+by the prompt's tail; or deferred, once at the prompt's end); once past its prompt, whenever its
+M + 1 blocks are full. These points depend on the sequence alone, not on how its prompt was cut
+into chunks, so a request's output does not depend on the batch it ran in. Compressed sequences
+are suspended, never preempted. Preemption is by recompute, the victim being the most recently
+admitted sequence that may be preempted. A sequence whose last token is sampled (perhaps still
+on its way to the host) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from zipage_jax.engine.block_manager import BlockManager, CompressionPlan
+from zipage_jax.engine.prompt_compaction import PromptCompaction
 from zipage_jax.engine.sequence import Sequence, SequenceStatus
 
 
@@ -30,6 +32,9 @@ class Chunk:
     seq: Sequence
     start: int
     num_tokens: int
+    tail: int = 0  # tokens of the prompt's end run after it, their queries scoring the next compaction
+    tail_start: int = 0  # the tail's first position
+    tail_blocks: list[int] = field(default_factory=list)  # scratch blocks of the tail's K/V, this step only
 
     @property
     def samples(self) -> bool:
@@ -83,21 +88,27 @@ class StepBudget:
         n = min(num_tokens, self.tokens)
         return n if n <= 1 else min(n, self.rows * self.row_size)
 
-    def take(self, num_tokens: int) -> None:
-        self.tokens -= num_tokens
-        if num_tokens > 1:
-            self.rows -= -(-num_tokens // self.row_size)
+    def take(self, num_tokens: int, tail: int = 0) -> None:
+        """A chunk of `num_tokens` and its prompt tail (rows of its own, even one token)."""
+        self.tokens -= num_tokens + tail
+        if num_tokens > 1 or tail:
+            self.rows -= -(-num_tokens // self.row_size) + -(-tail // self.row_size)
+
+    def fits(self, num_tokens: int, tail: int) -> bool:
+        rows = -(-num_tokens // self.row_size) + -(-tail // self.row_size)
+        return num_tokens + tail <= self.tokens and rows <= self.rows
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_query_slots: int, max_compress_seqs: int, prefill_row_size: int = 1):
+                 num_query_slots: int, max_compress_seqs: int, prefill_row_size: int = 1, prompt_window: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_compress_seqs = max_compress_seqs
         self.prefill_row_size = prefill_row_size
-        self.chunk_blocks = max(1, max_num_batched_tokens // block_manager.block_size)
+        self.prompt = PromptCompaction.of(block_manager.block_size, max_num_batched_tokens, prompt_window)
+        self.chunk_blocks = self.prompt.chunk_blocks
         self.query_slots = Slots(num_query_slots, "query_slot")
         self.state_slots = Slots(max_num_seqs, "state_slot")
         self.waiting: deque[Sequence] = deque()
@@ -118,6 +129,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = StepBudget(self.max_num_batched_tokens, self.max_num_batched_tokens // self.prefill_row_size,
                             self.prefill_row_size)
+        self._schedule_running(out, budget)
+        if out.preempted and not (out.chunks or out.compressions):
+            # a sequence that preempted itself freed what the others waited for (its query slot)
+            self._schedule_running(out, budget)
+        self._admit(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
         for seq in list(self.running):
             if budget.tokens == 0:
                 break
@@ -139,8 +158,12 @@ class Scheduler:
             n = self._allocate_or_preempt(seq, n, out)
             if n == 0:
                 continue
-            out.chunks.append(Chunk(seq, seq.num_computed_tokens, n))
-            budget.take(n)
+            chunk = self._with_tail(Chunk(seq, seq.num_computed_tokens, n), out, may_preempt=True)
+            if chunk is None:
+                continue
+            out.chunks.append(chunk)
+            budget.take(chunk.num_tokens, chunk.tail)
+    def _admit(self, out: SchedulerOutput, budget: StepBudget) -> None:
         # No admission in a step that preempted: the pool is full (vLLM does the same).
         while self.waiting and budget.tokens > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
@@ -160,17 +183,22 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.state_slots.acquire(seq)  # always free: one per running sequence
             self.running.append(seq)
-            out.chunks.append(Chunk(seq, seq.num_computed_tokens, n))
-            budget.take(n)
-        return out
+            chunk = self._with_tail(Chunk(seq, seq.num_computed_tokens, n), out, may_preempt=False)
+            if chunk is None:
+                break
+            out.chunks.append(chunk)
+            budget.take(chunk.num_tokens, chunk.tail)
 
     def _needs_compression(self, seq: Sequence) -> bool:
-        """Every block full, at the budget and one chunk in the prompt, at the budget and the next
-        block after it: the next token needs a block."""
+        """Every block full, at its compaction point in the prompt (`PromptCompaction`), at the
+        budget and the next block after it: the next token needs a block."""
         m = seq.budget_blocks
         if m is None or seq.num_kv_slots != len(seq.block_table) * self.block_manager.block_size:
             return False
-        return len(seq.block_table) >= m + (self.chunk_blocks if self._in_prompt(seq) else 1)
+        if self._in_prompt(seq):
+            point = self.prompt.point(seq)
+            return point is not None and len(seq.block_table) >= point
+        return len(seq.block_table) >= m + 1
 
     @staticmethod
     def _in_prompt(seq: Sequence) -> bool:
@@ -179,12 +207,42 @@ class Scheduler:
     def _chunk_size(self, seq: Sequence, budget: StepBudget) -> int:
         """Tokens to compute now, within the step's tokens and prefill rows; a budgeted prompt
         chunk stops where the sequence holds its budget and one chunk (it compacts there);
-        stops before a query tail when no query slot is free."""
+        stops before a query tail when no query slot is free; a chunk whose prompt tail does not
+        fit in the step stops before the compaction point."""
         n = self._within_prompt_peak(seq, budget.limit(seq.num_uncomputed_tokens))
         tail = seq.first_query_tail_slot()
         if tail is not None and tail < seq.num_kv_slots + n and not self.query_slots.acquire(seq):
             n = max(0, tail - seq.num_kv_slots)
+        extra = self.prompt.tail(seq, n)[1]
+        if extra and not budget.fits(n, extra):
+            n = n - 1  # stops a slot before the point: the tail comes with the next step's token
         return n
+
+    def _with_tail(self, chunk: Chunk, out: SchedulerOutput, may_preempt: bool) -> Chunk | None:
+        """The chunk with its prompt tail and the tail's scratch blocks (a running sequence may
+        preempt for them; without them the chunk stops a slot before the compaction point).
+        None: the sequence was preempted, or nothing is left to compute this step."""
+        seq = chunk.seq
+        chunk.tail_start, chunk.tail = self.prompt.tail(seq, chunk.num_tokens)
+        if not chunk.tail:
+            return chunk
+        need = -(-chunk.tail // self.block_manager.block_size)
+        while may_preempt and self.block_manager.num_free_blocks < need and self._preempt_for(seq, out):
+            pass
+        if seq.status != SequenceStatus.RUNNING:
+            return None
+        if self.block_manager.num_free_blocks < need:
+            chunk.num_tokens, chunk.tail = chunk.num_tokens - 1, 0
+            return chunk if chunk.num_tokens else None
+        chunk.tail_blocks = self.block_manager.allocate_scratch(need)
+        seq.metrics.kv_blocks_peak = max(seq.metrics.kv_blocks_peak, len(seq.block_table) + need)
+        return chunk
+
+    def release_tail(self, chunk: Chunk) -> None:
+        """The step that ran the chunk's tail was dispatched (or dropped): its scratch blocks are
+        free again (every later write is dispatched after it, and the device runs them in order)."""
+        self.block_manager.free_scratch(chunk.tail_blocks)
+        chunk.tail_blocks = []
 
     def _max_cached_blocks(self, seq: Sequence) -> int | None:
         """No block for a sequence computing prompt log-probabilities: it needs the logits of every
@@ -193,13 +251,13 @@ class Scheduler:
         the same positions as without the cache."""
         if seq.computes_prompt_logprobs:
             return 0
-        return None if seq.budget is None else seq.budget.blocks + self.chunk_blocks - 1
+        return self.prompt.max_cached_blocks(seq)
 
     def _within_prompt_peak(self, seq: Sequence, n: int) -> int:
-        if seq.budget is None or not self._in_prompt(seq):
+        point = self.prompt.point(seq) if self._in_prompt(seq) else None
+        if point is None:
             return n
-        room = (seq.budget.blocks + self.chunk_blocks) * self.block_manager.block_size - seq.num_kv_slots
-        return min(n, room)
+        return min(n, point * self.block_manager.block_size - seq.num_kv_slots)
 
     def _capacity(self, seq: Sequence) -> int:
         """Slots the sequence can still write without preempting anyone."""
@@ -228,6 +286,9 @@ class Scheduler:
         return victim is not seq
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        for chunk in out.chunks:
+            if chunk.seq is seq:
+                self.release_tail(chunk)
         out.chunks = [c for c in out.chunks if c.seq is not seq]
         self.running.remove(seq)
         self.block_manager.free(seq)

@@ -164,6 +164,10 @@ class SamplingFields(_Strict):
     keep_prompt: bool | None = Field(
         None, description="keep the prompt whole, outside kv_budget: memory is the prompt plus kv_budget "
                           "(zipage extension)")
+    prompt_compression: Literal["bounded", "deferred"] | None = Field(
+        None, description="a prompt longer than kv_budget: bounded compacts between prefill chunks (memory: the "
+                          "budget and one chunk), deferred once at the prompt's end (memory: the whole prompt); "
+                          "default: the server's (zipage extension)")
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
         None, description="log-probabilities of the prompt tokens, with this many top alternatives (vLLM extension)")
     response_format: ResponseFormat | None = None
@@ -177,7 +181,8 @@ class SamplingFields(_Strict):
     SAMPLING: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
         "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
-        "include_stop_str_in_output", "kv_budget", "eviction_policy", "keep_prompt", "prompt_logprobs")
+        "include_stop_str_in_output", "kv_budget", "eviction_policy", "keep_prompt", "prompt_compression",
+        "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
