@@ -81,41 +81,50 @@ def test_continuation_ratio_is_full_over_compressed_perplexity():
 
 def test_arguments():
     args = elp.parse_args([])
-    assert (args.split, args.policies, args.budgets, args.lengths, args.depths, args.trials, args.chunk) == (
-        "heldout", ["vnorm-prompt", "zipage", "streaming"], [256, 512], [4000, 8000], [0.1, 0.5, 0.9], 2, 512)
-    assert elp.blocks_bound(512, args) == 16 + 16 + 1
+    assert (args.split, args.policies, args.budgets, args.lengths, args.trials, args.chunk, args.modes) == (
+        "heldout", ["vnorm-prompt"], [512], [4000, 8000], 1, 512, ["bounded", "deferred", "chunk-queries"])
+    dev = elp.parse_args(["--split", "dev"])
+    assert len(args.depths) == len(dev.depths) == 10 and set(args.depths).isdisjoint(dev.depths)
+    assert args.two_question_depths != dev.two_question_depths and args.timing_reps == 3
+    assert elp.blocks_bound(512, args) == 16 + 16 + 1  # the budget, one chunk and the tail's block
     quick = elp.parse_args(["--quick", "--split", "dev"])
     assert quick.lengths == [4000] and quick.trials == 1 and quick.budgets == [512] and quick.split == "dev"
+    assert quick.two_question_lengths == [] and quick.timing_reps == 0
     assert elp.parse_args(["--doc-lengths"]).doc_lengths == []
     for bad in (["--budgets", "8"], ["--depths", "1.5"], ["--quick", "--smoke"], ["--policies", "full"],
-                ["--trials", "0", "--num-docs", "0"]):
+                ["--trials", "0", "--num-docs", "0"], ["--modes", "lazy"], ["--timing-reps", "-1"]):
         with pytest.raises(SystemExit):
             elp.parse_args(bad)
 
 
 def test_smoke_end_to_end(tiny_model_factory, model_cache_dir, monkeypatch, capsys):
-    """Full KV and streaming at 64 tokens on a 320-token passkey prompt and a 128-token dev text
-    prefilled in chunks of 64: rows, metrics, the tables and the JSON line."""
+    """Full KV and streaming (bounded) at 64 tokens on 320-token passkey and two-question prompts
+    and a 128-token dev text prefilled in chunks of 64: rows, metrics, prefill timing, the tables
+    and the JSON line."""
     monkeypatch.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
     model = str(tiny_model_factory("llama"))
     rows, workloads = elp.main(["--model", model, "--smoke", "--split", "dev", "--json"])
-    got = {(r["task"], r["policy"], r["budget_tokens"]): r for r in rows}
-    assert set(got) == {(t, p, b) for t in ("passkey", "continuation") for p, b in (("full", 0), ("streaming", 64))}
-    for task in ("passkey", "continuation"):
-        full, mine = got[task, "full", 0], got[task, "streaming", 64]
+    tasks = ("passkey", "two-question", "continuation")
+    got = {(r["task"], r["policy"], r["budget_tokens"], r["mode"]): r for r in rows}
+    assert set(got) == {(t, *p) for t in tasks for p in (("full", 0, "full"), ("streaming", 64, "bounded"))}
+    for task in tasks:
+        full, mine = got[task, "full", 0, "full"], got[task, "streaming", 64, "bounded"]
         assert full["num_compressions_max"] == 0 and mine["num_compressions_max"] >= 1
         assert full["kv_blocks_peak"] == full["kv_blocks_peak_full"] >= 8  # 128+ tokens in blocks of 16
-        assert mine["kv_blocks_bound"] == 4 + 4 + 1
-    assert got["continuation", "full", 0]["ppl_ratio"] == 1.0
-    assert 0 < got["continuation", "streaming", 64]["ppl_ratio"] != 1.0
-    assert got["passkey", "streaming", 64]["depth"] == 0.5 and got["passkey", "full", 0]["requests"] == 1
+        assert mine["kv_blocks_peak"] <= mine["kv_blocks_bound"] == 4 + 4 + 2  # budget, chunk, tail
+    assert got["continuation", "full", 0, "full"]["ppl_ratio"] == 1.0
+    assert 0 < got["continuation", "streaming", 64, "bounded"]["ppl_ratio"] != 1.0
+    assert got["passkey", "streaming", 64, "bounded"]["depth"] == 0.5
+    assert got["two-question", "full", 0, "full"]["keys"] == 2 * got["two-question", "full", 0, "full"]["requests"]
     assert [(c["task"], c["prompt_tokens"], c["forced_tokens"]) for c in workloads["cases"]] == [
-        ("passkey", 320, 0), ("continuation", 128, 16)]
+        ("passkey", 320, 0), *[("two-question", 320, 0)] * 4, ("continuation", 128, 16)]
     out = capsys.readouterr().out.strip().splitlines()
     data = json.loads(out[-1])
-    assert len(data["results"]) == 4 and "commit" in data["run"] and data["timings"]["total"] > 0
-    assert any(line.startswith("| dev | streaming | 64 | 320 |") for line in out)
-    assert any(line.startswith("| dev | streaming | 64 | 128 |") for line in out)
+    assert len(data["results"]) == 12 and "commit" in data["run"] and data["timings"]["total"] > 0
+    assert [(p["mode"], p["length"]) for p in data["prefill"]] == [("full", 320), ("bounded", 320)]
+    assert data["prefill"][0]["ratio_to_full"] == 1.0 and len(data["prefill"][1]["seconds"]) == 1
+    assert any(line.startswith("| dev | streaming | bounded | 64 | 320 |") for line in out)
+    assert any(line.startswith("| dev | streaming | bounded | 64 | 128 |") for line in out)
 
 
 def test_heldout_filler_is_a_license_without_digits():

@@ -131,6 +131,11 @@ def test_kv_budget_compresses(server):
     after = metrics(server)
     assert out.usage.completion_tokens == 64
     assert after["zipage:compressions_total"] > before["zipage:compressions_total"]
+    deferred = server.client.completions.create(model=MODEL, prompt="Compress me", max_tokens=64, temperature=0,
+                                                extra_body={"ignore_eos": True, "kv_budget": 32,
+                                                            "eviction_policy": "streaming",
+                                                            "prompt_compression": "deferred"})
+    assert deferred.choices[0].text == out.choices[0].text  # a short prompt: the same compactions
     assert after["zipage:kv_tokens_evicted_total"] > before["zipage:kv_tokens_evicted_total"]
 
 
@@ -176,6 +181,7 @@ BAD = [
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": -1}, 400, "kv_budget"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": 10**6}, 400, "kv_budget"),  # > the pool
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "eviction_policy": "h2o"}, 400, "eviction_policy"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "prompt_compression": "lazy"}, 400, "prompt_compression"),
     (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, "prompt"),
     (COMPLETIONS, {"model": MODEL, "prompt": [1, 99999]}, 400, "prompt"),
