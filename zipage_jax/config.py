@@ -39,7 +39,9 @@ class EngineConfig:
     # a prompt longer than its budget: "bounded" compacts between chunks (peak: budget + one chunk),
     # "deferred" once at the prompt's end (peak: the whole prompt); SamplingParams.prompt_compression overrides it
     prompt_compression: Literal["bounded", "deferred"] = "bounded"
-    prompt_window: int = 32  # the prompt's last tokens whose queries score each compaction inside the prompt; 0: off
+    # the prompt's last tokens whose queries score each compaction inside the prompt (at most half a
+    # step, and none when a step has a single prefill row); 0: each chunk's own queries
+    prompt_window: int = 32
     compression: CompressionConfig = field(default_factory=CompressionConfig)  # scoring options
     eviction_policy: str = DEFAULT_POLICY  # compress/policies.py; SamplingParams.eviction_policy overrides it
     sink_len: int | None = None  # protected first tokens; None: each policy's own (zipage 0, others 4)
@@ -110,12 +112,6 @@ class EngineConfig:
                 raise ValueError("give the scoring options either flat or as compression=, not both")
             options["compression"] = CompressionConfig(**scoring)
         return cls(**options)
-
-    @property
-    def prompt_tail_len(self) -> int:
-        """The prompt tail's tokens: prompt_window, at most half of a step's tokens (the chunk reaching
-        a compaction point carries them)."""
-        return min(self.prompt_window, self.max_num_batched_tokens // 2)
 
     @property
     def row_size(self) -> int:

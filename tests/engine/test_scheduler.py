@@ -632,3 +632,28 @@ def test_a_deferred_prompt_compacts_once_at_its_last_full_block():
     assert seq.metrics.kv_blocks_peak == 13  # the whole prompt (12 full blocks and the tail's)
     loop.check_all_freed()
 
+
+
+def test_a_tail_always_fits_a_step_beside_its_chunks_row():
+    # one prefill row a step: no room for the tail's own rows, so none (the chunk's own queries)
+    one_row = Scheduler(BlockManager(64, 16, True), max_num_seqs=4, max_num_batched_tokens=32, num_query_slots=4,
+                        max_compress_seqs=4, prefill_row_size=32, prompt_window=16)
+    assert one_row.prompt.window == 0
+    two_rows = Scheduler(BlockManager(64, 16, True), max_num_seqs=4, max_num_batched_tokens=64, num_query_slots=4,
+                         max_compress_seqs=4, prefill_row_size=32, prompt_window=48)
+    assert two_rows.prompt.window == 32  # half a step, a row beside the chunk's
+    seq = Sequence(prompt(200, 0), 16, budget=zipage_budget(2, 16, 8), query_cache_len=8)
+    two_rows.add(seq)
+    steps, tails = 0, []
+    while seq.num_computed_tokens < 200 and steps < 100:
+        out = two_rows.schedule()
+        for plan in out.compressions:
+            two_rows.finish_compressions(SchedulerOutput(compressions=[plan]))
+        for chunk in out.chunks:
+            tails.append(chunk.tail)
+            two_rows.release_tail(chunk)
+            two_rows.commit(chunk)
+            if chunk.samples:
+                seq.resolve(1)
+        steps += 1
+    assert seq.num_computed_tokens == 200 and 32 in tails  # every point reached, each with its tail

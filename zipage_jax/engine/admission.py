@@ -35,7 +35,8 @@ class Admission:
         self.model_vocab_size = vocab_size
         self.eos_token_ids, self.special_ids = eos_token_ids, special_ids
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-        self.prompt = PromptCompaction.of(pool.block_size, config.max_num_batched_tokens, config.prompt_tail_len)
+        self.prompt = PromptCompaction.of(pool.block_size, config.max_num_batched_tokens, config.prompt_window,
+                                          config.row_size)
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
 

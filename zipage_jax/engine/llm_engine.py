@@ -61,7 +61,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    num_query_slots=pool.num_query_slots, max_compress_seqs=config.max_compress_seqs,
-                                   prefill_row_size=config.row_size, prompt_window=config.prompt_tail_len)
+                                   prefill_row_size=config.row_size, prompt_window=config.prompt_window)
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids or ()) | ({tok_eos} if tok_eos is not None else set())))
         special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))

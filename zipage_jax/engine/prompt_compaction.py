@@ -30,7 +30,12 @@ class PromptCompaction:
     window: int = 0  # tail tokens scoring each compaction inside the prompt; 0: the chunk's own queries
 
     @classmethod
-    def of(cls, block_size: int, max_num_batched_tokens: int, window: int = 0) -> "PromptCompaction":
+    def of(cls, block_size: int, max_num_batched_tokens: int, window: int = 0,
+           row_size: int = 1) -> "PromptCompaction":
+        """The rule for a step of `max_num_batched_tokens` tokens in prefill rows of `row_size`: the
+        tail is at most half a step, and it and a chunk's row fit in one step (else no tail)."""
+        rows = max_num_batched_tokens // row_size
+        window = max(0, min(window, max_num_batched_tokens // 2, (rows - 1) * row_size))
         return cls(block_size, max(1, max_num_batched_tokens // block_size), window)
 
     @property

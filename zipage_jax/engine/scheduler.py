@@ -107,7 +107,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_compress_seqs = max_compress_seqs
         self.prefill_row_size = prefill_row_size
-        self.prompt = PromptCompaction.of(block_manager.block_size, max_num_batched_tokens, prompt_window)
+        self.prompt = PromptCompaction.of(block_manager.block_size, max_num_batched_tokens, prompt_window,
+                                          prefill_row_size)
         self.chunk_blocks = self.prompt.chunk_blocks
         self.query_slots = Slots(num_query_slots, "query_slot")
         self.state_slots = Slots(max_num_seqs, "state_slot")
