@@ -91,12 +91,16 @@ class StepBudget:
     def take(self, num_tokens: int, tail: int = 0) -> None:
         """A chunk of `num_tokens` and its prompt tail (rows of its own, even one token)."""
         self.tokens -= num_tokens + tail
-        if num_tokens > 1 or tail:
-            self.rows -= -(-num_tokens // self.row_size) + -(-tail // self.row_size)
+        self.rows -= self._rows(num_tokens, tail)
 
     def fits(self, num_tokens: int, tail: int) -> bool:
-        rows = -(-num_tokens // self.row_size) + -(-tail // self.row_size)
-        return num_tokens + tail <= self.tokens and rows <= self.rows
+        return num_tokens + tail <= self.tokens and self._rows(num_tokens, tail) <= self.rows
+
+    def _rows(self, num_tokens: int, tail: int) -> int:
+        """Prefill rows of a chunk and its tail; a one-token chunk alone is a decode row (none)."""
+        if num_tokens <= 1 and not tail:
+            return 0
+        return -(-num_tokens // self.row_size) + -(-tail // self.row_size)
 
 
 class Scheduler:
