@@ -7,8 +7,8 @@ from collections.abc import Callable, Container
 
 import jax
 
-from zipage_jax.engine.programs import CompiledSteps
-from zipage_jax.engine.runner import DeviceState
+from zipage_jax.engine.runner.programs import CompiledSteps
+from zipage_jax.engine.runner.steps import DeviceState
 from zipage_jax.layers.kv_cache import KVState
 
 

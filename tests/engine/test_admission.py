@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from tiny_models import build_tokenizer
+
 from zipage_jax.compress.policies import POLICIES, Score
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.admission import Admission

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from budgets import zipage_budget
+from fake_device import FakeDevice, check_block_manager
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fake_device import FakeDevice, check_block_manager
-from budgets import zipage_budget
 from zipage_jax.engine import block_manager as bm_module
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, BlockManager
 from zipage_jax.engine.sequence import Sequence

@@ -166,7 +166,7 @@ def test_logprobs_are_the_model_distribution(llm):
 @pytest.mark.parametrize("prompt, params, message", [
     ("", SamplingParams(), "empty"),
     ([], SamplingParams(), "non-empty"),
-    ([1] * 5000, SamplingParams(), "max_model_len"),
+    ([1] * 5000, SamplingParams(), "maximum context length"),
     ([10**9], SamplingParams(), "token ids"),
 ])
 def test_bad_requests_raise_and_engine_keeps_serving(llm, expected, prompt, params, message):
@@ -223,7 +223,7 @@ def test_steady_workload_never_recompiles(llm, caplog):
 def test_a_request_whose_inputs_fail_fails_alone(llm, expected, monkeypatch):
     """If building one request's row of a step still raises, that request finishes with an error
     and the others run on as if it had never been there."""
-    from zipage_jax.engine import sampling_batch
+    from zipage_jax.engine.runner import sampling_batch
 
     check = sampling_batch.SamplingArrays.check
 

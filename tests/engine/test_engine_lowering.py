@@ -1,7 +1,7 @@
 """The engine's compiled steps lower to CUDA for H200s with the Pallas backend (on the CPU).
 
-The runner's jitted functions themselves, the forward step's stages (`engine/forward.py`:
-embed, a group of layers, head; decode rows [B, 1], prefill rows [R, C]) and `_compress`
+The runner's jitted functions themselves, the forward step's stages (`engine/runner/forward.py`:
+embed, a group of layers, head; decode rows [B, 1], prefill rows [R, C]) and `compress_layer`
 (one layer), traced with abstract arguments of the runner's shapes and
 lowered for ("cuda",) under abstract H200s: a 2-layer random decoder of the default model's
 shape (SmolLM2-135M: 9 / 3 heads, head dim 64) and of Qwen3-8B's (32 / 8 heads, head dim 128),
@@ -23,23 +23,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
+from flax import nnx
 from h200 import h200_mesh, lower_for_h200
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from pallas_kernels import kv_quant
 from zipage_jax.backend import Backend
 from zipage_jax.compress.policies import compress_rows
 from zipage_jax.config import EngineConfig
-from zipage_jax.engine import forward
-from zipage_jax.engine.runner import DeviceState, _compress, bucket
-from zipage_jax.engine.sampling_batch import SamplingArrays
+from zipage_jax.engine.runner import forward
+from zipage_jax.engine.runner.grid import bucket
+from zipage_jax.engine.runner.sampling_batch import SamplingArrays
+from zipage_jax.engine.runner.steps import DeviceState, compress_layer
 from zipage_jax.engine.sharding import TensorParallel, check_divisible
 from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.layers.paged_attention import StepInputs, uses_block_tables, xla_page_size
 from zipage_jax.layers.sampler import SamplerState
 from zipage_jax.models.config import ModelConfig
-from flax import nnx
-
 from zipage_jax.models.decoder import Decoder, stages
 from zipage_jax.sampling_params import MAX_STOP_TOKEN_IDS
 
@@ -127,7 +128,8 @@ class Engine:
     def lower_forward(self, rows: int, chunk: int) -> str:
         """The three stages' lowered text, joined (every layer is in the one group)."""
         bs = self.case.block_size
-        width = self.max_blocks if uses_block_tables(Backend.PALLAS, chunk) else self.max_blocks * (bs // xla_page_size(bs))
+        by_block = uses_block_tables(Backend.PALLAS, chunk)
+        width = self.max_blocks if by_block else self.max_blocks * (bs // xla_page_size(bs))
         per_token = self._ints(rows, chunk)
         inputs = StepInputs(per_token, per_token, per_token, per_token, self._ints(rows, width), per_token,
                             self._ints(rows))
@@ -149,7 +151,7 @@ class Engine:
         cfg = EngineConfig().compression
         rows = self._abstract(compress_rows([], b))
         layer = KVState(self.state.kv.pools[:1], self.state.kv.queries[:1])
-        return lower_for_h200(_compress, layer, self._ints(b, w), self._ints(b), self._ints(b),
+        return lower_for_h200(compress_layer, layer, self._ints(b, w), self._ints(b), self._ints(b),
                               self._ints(b, dtype=bool), self._ints(b, w), rows, mesh=self.mesh, cfg=cfg,
                               backend=Backend.PALLAS, tp=self.tp, rope=())
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.config import EngineConfig
-from zipage_jax.engine import executable_store
+from zipage_jax.engine.runner import executable_store
 
 AVX512 = "processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu sse avx2 avx512f\ncpu MHz\t\t: 2000\n"
 AVX2 = "processor\t: 0\nmodel name\t: Xeon\nflags\t\t: fpu sse avx2\ncpu MHz\t\t: 2000\n"

@@ -10,7 +10,8 @@ from zipage_jax import LLM, SamplingParams
 BS = 16
 BUDGET_BLOCKS = 2
 CHUNK = 64  # max_num_batched_tokens: the longest prefill chunk
-TEXT = " ".join(f"Item {i}: the {['red', 'green', 'blue', 'grey'][i % 4]} box holds {i * 7 % 31} stones." for i in range(200))
+TEXT = " ".join(f"Item {i}: the {['red', 'green', 'blue', 'grey'][i % 4]} box holds {i * 7 % 31} stones."
+                for i in range(200))
 
 
 def greedy(max_tokens: int, kv_budget: int | None) -> SamplingParams:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_steady_state import count_compiles
+
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.crosscheck.logits import model_logits
 

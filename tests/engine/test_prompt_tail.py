@@ -15,7 +15,8 @@ CHUNK = 64
 QL = 8
 WINDOW = 16
 BUDGET = 2 * BS
-TEXT = " ".join(f"Item {i}: the {['red', 'green', 'blue', 'grey'][i % 4]} box holds {i * 7 % 31} stones." for i in range(120))
+TEXT = " ".join(f"Item {i}: the {['red', 'green', 'blue', 'grey'][i % 4]} box holds {i * 7 % 31} stones."
+                for i in range(120))
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
 from device_failures import FailingCalls, InjectedFailure
+
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.engine.llm_engine import MAX_RECOVERIES_IN_A_ROW, EngineFailed
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zipage_jax.engine.sampling_batch import SamplingArrays, SamplingRow
+from zipage_jax.engine.runner.sampling_batch import SamplingArrays, SamplingRow
 from zipage_jax.layers import sampler
 from zipage_jax.layers.sampler import SamplerState, record_inputs, sample
 from zipage_jax.sampling_params import SamplingParams as SP

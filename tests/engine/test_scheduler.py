@@ -6,14 +6,31 @@ import dataclasses
 import random
 
 import pytest
+from budgets import zipage_budget
+from fake_device import FakeDevice, check_block_manager
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fake_device import FakeDevice, check_block_manager
-from budgets import zipage_budget
 from zipage_jax.engine.block_manager import BlockManager
-from zipage_jax.engine.scheduler import Scheduler, SchedulerOutput
+from zipage_jax.engine.runner.results import PromptLogprobsResult, RowFailure, RunnerOutput, StepResult
+from zipage_jax.engine.scheduler import Chunk, Scheduler, SchedulerOutput
 from zipage_jax.engine.sequence import Sequence, SequenceStatus
+
+
+class LengthChecker:
+    """A stop checker that only counts (the scheduler asks it whether a token ends its sequence)."""
+
+    def __init__(self, max_tokens: int, stop_at: int | None = None):
+        self.max_tokens, self.stop_at = max_tokens, stop_at
+        self.num_tokens = 0
+        self.stop_reason: int | None = None
+
+    def append(self, token_id: int, final: bool = False) -> tuple[str, str | None]:
+        self.num_tokens += 1
+        if token_id == self.stop_at:
+            self.stop_reason = token_id
+            return "", "stop"
+        return f"<{token_id}>", "length" if self.num_tokens >= self.max_tokens else None
 
 
 class Loop:
@@ -44,7 +61,8 @@ class Loop:
         kv_budget = zipage_budget(budget, self.bs, self.ql)
         if deferred:
             kv_budget = dataclasses.replace(kv_budget, deferred=True)
-        seq = Sequence(list(token_ids), self.bs, budget=kv_budget, parent=parent, query_cache_len=self.ql)
+        seq = Sequence(list(token_ids), self.bs, budget=kv_budget, parent=parent, query_cache_len=self.ql,
+                       stop_checker=LengthChecker(max_tokens))
         self.max_tokens[seq] = max_tokens
         self.seqs.append(seq)
         self.sched.add(seq)
@@ -72,6 +90,7 @@ class Loop:
                                       + list(range(first, first + chunk.tail)))
                 self.tails.append((seq, chunk.start + chunk.num_tokens, chunk.tail))
             self.sched.release_tail(chunk)
+        sampled = []
         for chunk in out.chunks:
             seq = chunk.seq
             if seq not in self.admitted:
@@ -79,9 +98,8 @@ class Loop:
             samples = chunk.samples
             self.sched.commit(chunk)
             if samples:  # the sampled token arrives at once (synchronous scheduling)
-                seq.resolve(self.rng.randrange(3))
-                if seq.num_output_tokens >= self.max_tokens[seq]:
-                    self.sched.finish(seq)
+                sampled.append(StepResult(chunk, self.rng.randrange(3), 0.0, None, None))
+        self.sched.update_from_output(RunnerOutput(sampled))
         self.check_state()
         self.history.append(out)
         return out
@@ -167,7 +185,8 @@ class Loop:
             else:
                 assert len(s.block_table) == -(-s.num_kv_slots // self.bs)
             if s.budget is not None and not s.budget.deferred:
-                assert len(s.block_table) <= s.budget_blocks + max(1, self.sched.chunk_blocks), "past budget + one chunk"
+                assert len(s.block_table) <= s.budget_blocks + max(1, self.sched.chunk_blocks), \
+                    "past budget + one chunk"
 
     def check_all_freed(self) -> None:
         assert all(s.is_finished for s in self.seqs)
@@ -657,3 +676,80 @@ def test_a_tail_always_fits_a_step_beside_its_chunks_row():
                 seq.resolve(1)
         steps += 1
     assert seq.num_computed_tokens == 200 and 32 in tails  # every point reached, each with its tail
+
+
+# -- a step's output ----------------------------------------------------------------------------
+
+
+def dispatched(sched: Scheduler) -> list[Chunk]:
+    """One step scheduled and dispatched: its chunks (their tokens PENDING until they arrive)."""
+    out = sched.schedule()
+    for chunk in out.chunks:
+        sched.release_tail(chunk)
+        sched.commit(chunk)
+    return out.chunks
+
+
+def token(chunk: Chunk, token_id: int) -> StepResult:
+    return StepResult(chunk, token_id, 0.0, None, None)
+
+
+def test_a_token_joins_its_sequence_commits_its_blocks_and_stops_it():
+    loop = Loop(16)
+    seq = loop.add(prompt(7, 0), max_tokens=10)
+    seq.stop_checker.stop_at = 9
+    [first] = dispatched(loop.sched)
+    [second] = dispatched(loop.sched)  # asynchronous scheduling: before the first token arrives
+    assert seq.num_pending == 2 and seq.num_hashed_blocks == 1  # block 1 holds a PENDING token
+    update = loop.sched.update_from_output(RunnerOutput([token(first, 5)]))
+    assert seq.token_ids[7] == 5 and seq.num_pending == 1 and seq.num_hashed_blocks == 2
+    assert update.tokens == [(seq, token(first, 5), "<5>")] and update.finished == []
+    assert seq.metrics.first_token_time is not None and not seq.is_finished
+    [third] = dispatched(loop.sched)
+    update = loop.sched.update_from_output(RunnerOutput([token(second, 9), token(third, 1)]))
+    assert update.finished == [seq] and [t for _, t, _ in update.tokens] == [token(second, 9)]  # the third dropped
+    assert (seq.finish_reason, seq.stop_reason, seq.token_ids[-1]) == ("stop", 9, 9) and seq.num_pending == 0
+    assert seq.is_finished and seq.metrics.finish_time is not None
+    loop.check_all_freed()
+
+
+def test_a_sequence_at_its_length_limit_finishes():
+    loop = Loop(16)
+    seq = loop.add(prompt(7, 0), max_tokens=100)
+    seq.max_len = 9
+    for expected in (None, "length"):
+        [chunk] = dispatched(loop.sched)
+        loop.sched.update_from_output(RunnerOutput([token(chunk, 1)]))
+        assert seq.finish_reason == expected
+    assert len(seq) == 9 and not loop.sched.has_unfinished()
+
+
+def test_a_failure_finishes_every_sequence_of_its_request():
+    loop = Loop(32)
+    other = loop.add(prompt(5, 1), max_tokens=10)
+    parent = loop.add(prompt(7, 0), max_tokens=10)
+    sibling = loop.add(prompt(7, 0), max_tokens=10, parent=parent)
+    for seq, request_id, index in [(other, "b", 0), (parent, "a", 0), (sibling, "a", 1)]:
+        seq.request_id, seq.index = request_id, index
+    ours, theirs = dispatched(loop.sched)  # the sibling waits for its parent's prompt
+    assert ours.seq is other and theirs.seq is parent and sibling in loop.sched.waiting
+    error = ValueError("no room for this row")
+    update = loop.sched.update_from_output(RunnerOutput([token(ours, 1)], [RowFailure(theirs, error)]))
+    assert update.failures == [(parent, error)] and update.finished == [parent, sibling]
+    assert parent.finish_reason == sibling.finish_reason == "error" and parent.stop_reason is None
+    assert loop.sched.running == [other] and not loop.sched.waiting and other.num_pending == 0
+
+
+def test_prompt_logprobs_mark_how_far_the_prompt_has_arrived():
+    loop = Loop(32, max_num_batched_tokens=4)
+    seq = loop.add(prompt(7, 0), max_tokens=10)
+    seq.computes_prompt_logprobs = True
+    results = []
+    while seq.num_computed_tokens < seq.num_prompt_tokens:
+        [chunk] = dispatched(loop.sched)
+        n = min(chunk.num_tokens, seq.num_prompt_tokens - 1 - chunk.start)
+        results.append(PromptLogprobsResult(chunk, chunk.start + 1, [0.0] * n, None, None))
+    first = loop.sched.update_from_output(RunnerOutput(results[:1]))
+    assert first.prompt_logprobs == results[:1] and seq.num_prompt_logprobs == 5 and seq.computes_prompt_logprobs
+    rest = loop.sched.update_from_output(RunnerOutput(results[1:] + results[:1]))  # one arrives again: dropped
+    assert rest.prompt_logprobs == results[1:] and seq.num_prompt_logprobs == 7 and not seq.computes_prompt_logprobs

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from zipage_jax import LLM, SamplingParams
-from zipage_jax.engine.forward import layers_per_group
-from zipage_jax.engine.runner import GridProgram
-from zipage_jax.engine.warmup import Warmup
+from zipage_jax.engine.runner.forward import layers_per_group
+from zipage_jax.engine.runner.grid import GridProgram
+from zipage_jax.engine.runner.warmup import Warmup
 
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=40, max_num_seqs=4, max_num_batched_tokens=64,
                max_model_len=128, max_cache_blocks_per_seq=2, max_compress_seqs=2, query_cache_len=4,
@@ -119,7 +119,7 @@ def test_serving_ready_comes_before_the_rest_and_stop_builds_no_more():
 
 
 def test_the_warmup_yields_to_requests_past_the_serving_set(monkeypatch):
-    from zipage_jax.engine import warmup as warmup_module
+    from zipage_jax.engine.runner import warmup as warmup_module
 
     built, busy = [], threading.Event()
     busy.set()

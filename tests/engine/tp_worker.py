@@ -50,7 +50,7 @@ def use_backend(runner, backend: str) -> None:
     """Switches a fresh runner's attention / compression backend (pallas-interpret is not an
     EngineConfig choice: it only exists for tests on CPU)."""
     assert runner.num_compiles == 0, "switch the backend before anything compiles"
-    runner.backend = backend = Backend.parse(backend)
+    runner.inputs.backend = backend = Backend.parse(backend)
     runner.forward.layers.static["backend"] = runner.compressor.static["backend"] = backend
 
 
@@ -108,10 +108,10 @@ def main() -> None:
             use_backend(runner, args.backend)
         compressions = llm.engine.stats.num_compressions
 
-        def workload():
+        def workload(llm: LLM = llm) -> tuple:
             prompts = PROMPTS[:args.num_prompts]
-            return (greedy_tokens(llm, prompts, args.max_tokens),  # noqa: B023
-                    greedy_tokens(llm, prompts, args.max_tokens, args.kv_budget))  # noqa: B023
+            return (greedy_tokens(llm, prompts, args.max_tokens),
+                    greedy_tokens(llm, prompts, args.max_tokens, args.kv_budget))
 
         tokens[size] = workload()
         report[f"compressions_tp{size}"] = llm.engine.stats.num_compressions - compressions
@@ -128,7 +128,7 @@ def main() -> None:
             report["collectives"] = {name: collectives(steps) for name, steps in (
                 ("embed", runner.forward.embed), ("layers", runner.forward.layers), ("head", runner.forward.head),
                 ("compression", runner.compressor))}
-        del llm
+        llm = workload = None  # the engine goes before the next one is built
     report["tokens"] = {str(size): list(t) for size, t in tokens.items()}
     report["full_identical"] = tokens[1][0] == tokens[args.tp][0]
     report["compressed_identical"] = tokens[1][1] == tokens[args.tp][1]

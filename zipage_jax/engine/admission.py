@@ -27,6 +27,18 @@ from zipage_jax.engine.stop_checker import StopChecker
 from zipage_jax.sampling_params import SamplingParams, check_text
 
 
+def check_prompt_length(prompt_len: int, limit: int, *, at_least: bool = False, full_kv: bool = False) -> int:
+    """The tokens a prompt of `prompt_len` tokens (`at_least`: of that many or more) leaves to
+    generate within the context `limit`; ValueError naming the prompt when it leaves none.
+    `full_kv`: the limit is the KV pool's tokens (a full-KV request's), not max_model_len."""
+    if prompt_len >= limit:
+        whose = "a full-KV request's" if full_kv else "this model's"
+        pool = ", the KV pool's tokens" if full_kv else ""
+        raise ValueError(f"prompt has {'at least ' if at_least else ''}{prompt_len} tokens but {whose} maximum "
+                         f"context length is {limit} tokens{pool} (at least one token must be generated)")
+    return limit - prompt_len
+
+
 class Admission:
     def __init__(self, config: EngineConfig, pool: KVPoolPlan, tokenizer, vocab_size: int,
                  eos_token_ids: tuple[int, ...], special_ids: frozenset[int]):
@@ -55,10 +67,7 @@ class Admission:
         params = self._admissible(params)
         budget = self.budget(params, len(token_ids))
         limit = self.pool.max_model_len if budget is not None else self.pool.max_full_kv_len
-        if len(token_ids) >= limit:
-            what = "max_model_len" if limit == self.pool.max_model_len else "the KV pool's tokens (full KV)"
-            raise ValueError(f"prompt has {len(token_ids)} tokens but {what} is {limit} "
-                             "(at least one token must be generated)")
+        check_prompt_length(len(token_ids), limit, full_kv=limit != self.pool.max_model_len)
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in in_use:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -1,5 +1,9 @@
 """add_request / step / abort: the engine loop over scheduler, runner and postprocessing.
 
+A step schedules, runs (the runner dispatches it and fetches what the host may read now), hands
+what it read to the scheduler (`Scheduler.update_from_output`, the one place a step's output
+changes sequences) and turns what that changed into outputs; requests that finished are forgotten.
+
 A step that fails past its inputs (on the device, or while its results are read) costs the
 requests in flight no more than a recompute: the engine rebuilds its device state and every
 sequence computes its delivered tokens again (`_recover`). Only when the rebuild fails, or steps
@@ -23,10 +27,11 @@ from zipage_jax.engine.outputs import RequestOutput
 from zipage_jax.engine.pool_plan import plan_pool
 from zipage_jax.engine.postprocess import StepOutputs
 from zipage_jax.engine.request import Request
-from zipage_jax.engine.runner import ModelRunner, PendingBatch, PromptLogprobsResult, RowFailure, StepResult
-from zipage_jax.engine.scheduler import Scheduler, SchedulerOutput
+from zipage_jax.engine.runner.model_runner import ModelRunner
+from zipage_jax.engine.runner.results import PendingBatch, PromptLogprobsResult, RowFailure, RunnerOutput, StepResult
+from zipage_jax.engine.runner.warmup import Warmup, WarmupStatus
+from zipage_jax.engine.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from zipage_jax.engine.stats import EngineStats
-from zipage_jax.engine.warmup import Warmup, WarmupStatus
 from zipage_jax.models.loading import LoadedModel, load_model
 from zipage_jax.sampling_params import SamplingParams
 
@@ -164,32 +169,32 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """schedule -> run -> postprocess. With asynchronous scheduling `run` hands back the
-        tokens of the step before (the device computes this one meanwhile), else this step's own;
-        while a structured output's token is in flight, that step is read before scheduling."""
+        """schedule -> run -> update -> postprocess. With asynchronous scheduling `run` hands back
+        the tokens of the step before (the device computes this one meanwhile), else this step's
+        own; while a structured output's token is in flight, that step is read before scheduling."""
         self._check_usable()
         start, wait_before = time.perf_counter(), self.stats.device_wait_seconds
-        collected = StepOutputs(self.requests, self.scheduler)
+        updates: list[StepUpdate] = []
         try:
-            self._resolve_constrained(collected)
-            scheduled = self.scheduler.schedule()
-            results, failures = self._run(scheduled)
+            self._resolve_constrained(updates)
+            output = self._run(self.scheduler.schedule())
         except Exception as exc:  # noqa: BLE001 - a device or runtime failure: recompute, or give up
             self._recover(exc)
-            results, failures = [], []  # what `collected` holds was delivered before the failure
-        outputs = self._postprocess(collected, results, failures)
+            output = RunnerOutput()  # what `updates` holds was delivered before the failure
+        updates.append(self.scheduler.update_from_output(output))
+        outputs = self._postprocess(updates)
         self._end_step(start, wait_before)
         return outputs
 
-    def _resolve_constrained(self, collected: StepOutputs) -> None:
+    def _resolve_constrained(self, updates: list[StepUpdate]) -> None:
         """A constrained sequence's next mask follows from its last token: when a step in flight
-        sampled one, every step in flight is read and postprocessed first (no overlap then)."""
+        sampled one, every step in flight is read and applied first (no overlap then)."""
         if any(step.constrained for step in self._in_flight):
             while self._in_flight:
-                for res in self._fetch(self._in_flight.popleft()):
-                    collected.add(res)
+                results = self._fetch(self._in_flight.popleft())
+                updates.append(self.scheduler.update_from_output(RunnerOutput(results)))
 
-    def _run(self, scheduled: SchedulerOutput) -> tuple[list[StepResult | PromptLogprobsResult], list[RowFailure]]:
+    def _run(self, scheduled: SchedulerOutput) -> RunnerOutput:
         """Compaction, then this step's forward dispatched, then the tokens of the steps the
         host may read now."""
         if scheduled.compressions:
@@ -217,7 +222,7 @@ class LLMEngine:
         results = []
         while len(self._in_flight) > keep:
             results += self._fetch(self._in_flight.popleft())
-        return results, failures
+        return RunnerOutput(results, failures)
 
     def _fetch(self, step: _InFlight) -> list[StepResult | PromptLogprobsResult]:
         waiting = time.perf_counter()
@@ -260,14 +265,19 @@ class LLMEngine:
             raise EngineFailed(f"the engine failed and cannot serve: {type(self.failed).__name__}: "
                                f"{self.failed}") from self.failed
 
-    def _postprocess(self, collected: StepOutputs, results: list[StepResult | PromptLogprobsResult],
-                     failures: list[RowFailure]) -> list[RequestOutput]:
-        for failure in failures:
-            collected.fail(failure.chunk.seq, failure.error)
-        for res in results:
-            collected.add(res)
+    def _postprocess(self, updates: list[StepUpdate]) -> list[RequestOutput]:
+        """The step's outputs; then the requests it finished are forgotten."""
+        collected = StepOutputs(self.requests)
+        for update in updates:
+            collected.add(update)
         self.stats.generation_tokens += collected.num_tokens
-        return collected.outputs()
+        outputs = collected.outputs()
+        for update in updates:
+            for seq in update.finished:
+                request = self.requests.get(seq.request_id)
+                if request is not None and request.finished:
+                    del self.requests[seq.request_id]
+        return outputs
 
     def _end_step(self, start: float, wait_before: float) -> None:
         s = self.stats

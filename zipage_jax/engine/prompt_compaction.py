@@ -7,8 +7,8 @@ Two modes, per sequence (`KVBudget.deferred`):
   compaction scores with the prompt's own end: the chunk that reaches the compaction point
   carries the prompt's last `window` tokens (the *tail*, where the question usually is) as rows
   of their own at their true positions. Their K/V go to scratch blocks held for that step only,
-  they touch no sequence's sampling state, and their last queries fill the observation window. The peak is budget + room + tail blocks = budget + one
-  chunk (a chunk of one block: budget + 1 + tail blocks).
+  they touch no sequence's sampling state, and their last queries fill the observation window.
+  The peak is budget + room + tail blocks = budget + one chunk (a chunk of one block: budget + 1 + tail blocks).
 - deferred (SnapKV): no compaction until the prompt's last full block; that one compaction
   scores with the tail too (the prompt's remaining tokens, less than a block, follow it). The
   peak is the whole prompt.

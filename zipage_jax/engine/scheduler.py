@@ -13,15 +13,21 @@ into chunks, so a request's output does not depend on the batch it ran in. Compr
 are suspended, never preempted. Preemption is by recompute, the victim being the most recently
 admitted sequence that may be preempted. A sequence whose last token is sampled (perhaps still
 on its way to the host) is not scheduled again.
+
+What a step's output changes (`update_from_output`) happens here too, in one place: its tokens
+join their sequences, full blocks are committed to the prefix cache, and sequences that stop,
+reach their length or fail are finished and freed.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from zipage_jax.engine.block_manager import BlockManager, CompressionPlan
 from zipage_jax.engine.prompt_compaction import PromptCompaction
+from zipage_jax.engine.runner.results import PromptLogprobsResult, RunnerOutput, StepResult
 from zipage_jax.engine.sequence import Sequence, SequenceStatus
 
 
@@ -47,6 +53,18 @@ class SchedulerOutput:
     compressions: list[CompressionPlan] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+
+
+@dataclass
+class StepUpdate:
+    """What applying a step's output changed: the tokens that joined their sequences (with the
+    text each one's stop checker released), the prompt log-probabilities taken, the failures
+    (each finished its request's sequences) and every sequence finished, in order."""
+
+    tokens: list[tuple[Sequence, StepResult, str]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobsResult] = field(default_factory=list)
+    failures: list[tuple[Sequence, Exception]] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
 
 
 class Slots:
@@ -168,6 +186,7 @@ class Scheduler:
                 continue
             out.chunks.append(chunk)
             budget.take(chunk.num_tokens, chunk.tail)
+
     def _admit(self, out: SchedulerOutput, budget: StepBudget) -> None:
         # No admission in a step that preempted: the pool is full (vLLM does the same).
         while self.waiting and budget.tokens > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
@@ -359,6 +378,68 @@ class Scheduler:
             seq.append_pending()
         self.block_manager.commit_full_blocks(seq)
 
+    def update_from_output(self, output: RunnerOutput) -> StepUpdate:
+        """Applies what a step read back, in order. A failure finishes every sequence of its
+        request ("error"). A sampled token is checked by the sequence's grammar (one it refuses
+        fails the request), replaces its PENDING place, commits the blocks it completes, and goes
+        to the stop checker: a stop, the length limit or a completed grammar finishes the
+        sequence. Prompt log-probabilities advance how far the prompt's have arrived. Results of
+        sequences finished or aborted since their step was dispatched are dropped."""
+        update = StepUpdate()
+        for failure in output.failures:
+            self._fail(failure.chunk.seq, failure.error, update)
+        for res in output.results:
+            if isinstance(res, PromptLogprobsResult):
+                self._take_prompt_logprobs(res, update)
+            else:
+                self._append_token(res, update)
+        return update
+
+    def _append_token(self, res: StepResult, update: StepUpdate) -> None:
+        seq = res.chunk.seq
+        if seq.is_finished:
+            return
+        try:
+            complete = seq.grammar is not None and seq.grammar.accept(res.token_id)
+        except _token_rejected() as exc:
+            self._fail(seq, exc, update)
+            return
+        seq.resolve(res.token_id)
+        self.block_manager.commit_full_blocks(seq)  # blocks whose tokens are all known now
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = time.monotonic()
+        checker = seq.stop_checker
+        text, reason = checker.append(res.token_id, final=complete)
+        if reason is None and seq.num_known_tokens >= seq.max_len:
+            reason = "length"  # the sequence's length limit (max_model_len, or the pool for full KV)
+        update.tokens.append((seq, res, text))
+        if reason is not None:
+            self._finish(seq, reason, checker.stop_reason, update)
+
+    @staticmethod
+    def _take_prompt_logprobs(res: PromptLogprobsResult, update: StepUpdate) -> None:
+        seq = res.chunk.seq
+        if seq.is_finished or not seq.computes_prompt_logprobs:
+            return  # a recompute after preemption computes them again: the first ones stay
+        if res.first <= seq.num_prompt_logprobs:
+            seq.num_prompt_logprobs = max(seq.num_prompt_logprobs, res.first + len(res.logprobs))
+        seq.computes_prompt_logprobs = seq.num_prompt_logprobs < seq.num_prompt_tokens
+        update.prompt_logprobs.append(res)
+
+    def _fail(self, seq: Sequence, error: Exception, update: StepUpdate) -> None:
+        """A failure that belongs to one request: all its sequences still running finish with "error"."""
+        update.failures.append((seq, error))
+        request_seqs = [s for s in (*self.running, *self.waiting) if s.request_id == seq.request_id]
+        for s in sorted(request_seqs, key=lambda s: s.index):
+            self._finish(s, "error", None, update)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, update: StepUpdate) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.metrics.finish_time = time.monotonic()
+        seq.drop_pending()
+        self.finish(seq)
+        update.finished.append(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Finished or aborted: free its blocks and query slot."""
         if seq in self.running:
@@ -369,3 +450,11 @@ class Scheduler:
         self.query_slots.release(seq)
         self.state_slots.release(seq)
         seq.status = SequenceStatus.FINISHED
+
+
+def _token_rejected() -> type[Exception]:
+    """engine.grammar's TokenRejected, looked up only once a grammar has raised: that module
+    needs jax, and the scheduler loads without it."""
+    from zipage_jax.engine.grammar import TokenRejected
+
+    return TokenRejected

@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from zipage_jax.compress.policies import KVBudget
 from zipage_jax.compress.quotes import advance_quote_end
+
+if TYPE_CHECKING:
+    from zipage_jax.engine.stop_checker import StopChecker
 
 _ids = itertools.count()
 PENDING = -1  # a sampled token the host has not received yet (asynchronous scheduling)
@@ -55,6 +59,7 @@ class Sequence:
     budget: KVBudget | None = None  # resolved at admission; None = full KV
     params: object = None  # SamplingParams
     grammar: object = None  # engine.grammar.SequenceGrammar of a structured-outputs request, else None
+    stop_checker: StopChecker | None = None  # its text and stop conditions (engine/stop_checker.py)
     request_id: str = ""
     index: int = 0  # which of the request's n completions
     parent: "Sequence | None" = None  # waits until the parent's prompt is in the prefix cache
@@ -77,10 +82,13 @@ class Sequence:
     # its prefill computes the prompt's log-probabilities (so it takes no prefix-cache hit), until
     # the host has them all
     computes_prompt_logprobs: bool = False
+    num_prompt_logprobs: int = 1  # the prompt's log-probabilities [0, n) have reached the host
     num_pending: int = 0
     max_len: int = 0  # prompt + max_tokens, capped at max_model_len: no token is computed past it
     seed: int = 0
     query_cache_len: int = 16
+    finish_reason: str | None = None  # "stop", "length" or "error" once finished (None: running, or aborted)
+    stop_reason: str | int | None = None  # the stop string or stop token id that finished it
     metrics: SequenceMetrics = field(default_factory=SequenceMetrics)
 
     def __post_init__(self) -> None:

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.kv_pool import KVPool
 from zipage_jax.layers.kv_cache import KVState

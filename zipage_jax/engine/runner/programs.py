@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from zipage_jax.engine.executable_store import ExecutableStore
+from zipage_jax.engine.runner.executable_store import ExecutableStore
 
 logger = logging.getLogger("zipage_jax")
 

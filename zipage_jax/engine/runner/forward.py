@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from zipage_jax.backend import Backend
-from zipage_jax.engine.executable_store import ExecutableStore
-from zipage_jax.engine.programs import CompiledSteps, ProgramRecord
+from zipage_jax.engine.runner.executable_store import ExecutableStore
+from zipage_jax.engine.runner.programs import CompiledSteps, ProgramRecord
 from zipage_jax.engine.sharding import TensorParallel
 from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn
@@ -138,7 +138,9 @@ class StagedForward:
         return step
 
     def prefetch(self, key: tuple, *args) -> None:
-        """Builds the step for `key` on a thread of its own unless it is ready or being built."""
+        """Builds the step for `key` on a thread of its own unless it is ready or being built. Not a
+        daemon, even when started from one: the interpreter waits for the build before it shuts the
+        runtime down."""
         with self._lock:
             if key in self.executables or key in self._building:
                 return
@@ -153,4 +155,4 @@ class StagedForward:
                 with self._lock:
                     self._building.discard(key)
 
-        threading.Thread(target=build, name="zipage-prefetch-forward").start()
+        threading.Thread(target=build, name="zipage-prefetch-forward", daemon=False).start()

@@ -7,19 +7,24 @@ Run it to the end (`run`) or in the background (`start`), as the server does. In
 background it yields to requests: while `busy()` it starts no new program (those being built
 finish) for up to MAX_YIELD_S per program, so the first requests of a just-started server run
 without competing with compiles, and a server that is never idle still completes its grid.
+
+A warm-up still running when the interpreter exits stops (`stop`) before the runtime shuts down:
+a worker still inside a compile then would abort the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from zipage_jax.engine.runner import GridProgram
+from zipage_jax.engine.runner.grid import GridProgram
 
 logger = logging.getLogger("zipage_jax")
 
@@ -61,14 +66,16 @@ class Warmup:
 
     def start(self) -> "Warmup":
         """Builds the grid on daemon threads and returns at once."""
+        _running.add(self)
         self._started = time.perf_counter()
         for program in self.grid:
             self._queue.put(program)
-        for i in range(min(self.workers, len(self.grid))):
-            self._queue.put(None)  # one end marker per worker
-            thread = threading.Thread(target=self._work, name=f"zipage-warmup-{i}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        with self._lock:  # `stop` waits for every worker started here
+            for i in range(min(self.workers, len(self.grid))):
+                self._queue.put(None)  # one end marker per worker
+                thread = threading.Thread(target=self._work, name=f"zipage-warmup-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
         if not self.grid:
             self._ended = self._started
         return self
@@ -97,8 +104,10 @@ class Warmup:
 
     def stop(self) -> None:
         """Builds nothing more (programs being built finish) and waits for the workers."""
-        self._stopping = True
-        for thread in self._threads:
+        with self._lock:
+            self._stopping = True
+            threads = list(self._threads)
+        for thread in threads:
             thread.join()
 
     @property
@@ -134,3 +143,12 @@ class Warmup:
                 if self._left == 0:
                     self._ended = time.perf_counter()
                 self._progress.notify_all()
+
+
+_running: weakref.WeakSet[Warmup] = weakref.WeakSet()  # started warm-ups (their workers hold them while they run)
+
+
+@atexit.register  # after jax registered its own exit hooks (grid.py imports it): this one runs first
+def _stop_running() -> None:
+    for warmup in list(_running):
+        warmup.stop()

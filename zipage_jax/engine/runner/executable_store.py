@@ -28,6 +28,8 @@ import jaxlib
 import xxhash
 from jax.experimental import serialize_executable
 
+from zipage_jax.config import EngineConfig
+from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.param_cache import default_cache_dir
 
 logger = logging.getLogger("zipage_jax")
@@ -65,7 +67,7 @@ def host_fingerprint(cpuinfo: str | None = None) -> str:
 
 def _hash_sources() -> str:
     h = xxhash.xxh64()
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     for package in _PACKAGES:
         for f in sorted((root / package).rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())
@@ -92,6 +94,17 @@ def program_key(engine_options: object, model_config: object, param_shapes: list
              f"source {source_fingerprint()}", f"options {sorted(options.items())!r}", f"model {model_config!r}",
              f"params {param_shapes!r}"]
     return xxhash.xxh64("\n".join(parts).encode()).hexdigest()
+
+
+def engine_store(config: EngineConfig, model_config: ModelConfig, params: object) -> ExecutableStore | None:
+    """The store of one engine's programs (`params`: its parameters, a pytree); None when the
+    store is off, or with several processes (each compiles its own)."""
+    root = store_directory(config.compilation_cache_dir)
+    if root is None or jax.process_count() > 1:
+        return None
+    shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)]
+    return ExecutableStore(root / program_key(config, model_config, shapes,
+                                              jax.devices()[:config.tensor_parallel_size]))
 
 
 class ExecutableStore:

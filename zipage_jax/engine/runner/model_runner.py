@@ -1,0 +1,261 @@
+"""The one door to the device: the donated device state, dispatch of the compiled steps, and
+fetching what they computed.
+
+Per engine step: (1) one compaction of the sequences that reached their budget, (2) one prefill
+step over the step's prefill rows, (3) one decode step. Each is dispatched without waiting and
+donates the state it updates; `dispatch` returns handles and `fetch` turns them into tokens, so
+the engine can schedule and dispatch step N+1 while the device runs step N.
+
+A forward step is three programs (embed, a group of layers called once per group, head:
+forward.py) and a compaction one program called per layer, so compile time does not grow with
+depth. Which programs exist and which one a step runs in: grid.py; its inputs: inputs.py and
+compaction.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from zipage_jax.backend import Backend
+from zipage_jax.config import EngineConfig
+from zipage_jax.engine.block_manager import CompressionPlan
+from zipage_jax.engine.pool_plan import KVPoolPlan
+from zipage_jax.engine.runner.compaction import compaction_tables
+from zipage_jax.engine.runner.executable_store import engine_store
+from zipage_jax.engine.runner.forward import StagedForward, layers_per_group
+from zipage_jax.engine.runner.grid import GridProgram, ProgramGrid
+from zipage_jax.engine.runner.inputs import ChunkRows, InputLayout
+from zipage_jax.engine.runner.programs import CompiledSteps, ProgramRecord
+from zipage_jax.engine.runner.results import PendingBatch, PromptLogprobsResult, RowFailure, StepResult
+from zipage_jax.engine.runner.sampling_batch import SamplingRow
+from zipage_jax.engine.runner.steps import DeviceState, compress_layer, seed_history
+from zipage_jax.engine.scheduler import Chunk
+from zipage_jax.engine.sequence import Sequence
+from zipage_jax.engine.sharding import shard_model
+from zipage_jax.layers.kv_cache import KVState
+from zipage_jax.layers.rotary import inv_frequencies
+from zipage_jax.layers.sampler import SamplerState
+from zipage_jax.models.decoder import stages
+from zipage_jax.models.loading import LoadedModel
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, pool: KVPoolPlan, *,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.config, self.pool = config, pool
+        loaded, self.tp = shard_model(loaded, config.tensor_parallel_size)
+        self.model_config = mc = loaded.config
+        model = loaded.model
+        if self.tp is not None:
+            graphdef, params = nnx.split(model)
+            model = nnx.merge(graphdef, self.tp.place_params(params))
+        self.params = nnx.state(model)  # as an nnx.State (the compiled steps take them per stage)
+        self.stages, stage_params = stages(model, layers_per_group(mc.num_layers))
+        self.row_size = config.row_size
+        backend = Backend.resolve(config.attention_backend, jax.default_backend())
+        self.inputs = InputLayout(pool, config, backend, mc.vocab_size, eos_token_ids)
+        make_kv = functools.partial(
+            KVState.zeros, num_layers=mc.num_layers, num_blocks=pool.num_blocks, block_size=pool.block_size,
+            num_kv_heads=mc.num_kv_heads, num_heads=mc.num_heads, head_dim=mc.head_dim,
+            num_query_slots=pool.num_query_slots, query_cache_len=config.query_cache_len, dtype=loaded.model.dtype,
+            kv_dtype=pool.kv_dtype, global_score=config.compression.use_global_score)
+        make_sampler = functools.partial(SamplerState.zeros, config.max_num_seqs, mc.vocab_size)
+        self._make_kv, self._make_sampler = make_kv, make_sampler
+        # Zeroing the pool takes seconds (its pages are touched once): it runs beside whatever
+        # comes next (loading or compiling programs), and the first step waits for it.
+        self.abstract_state = self._abstract_state()
+        self._state: DeviceState | None = None
+        self._state_future = _background(self._fresh_state)
+        store = engine_store(config, mc, self.params)
+        self.forward = StagedForward(self.stages, stage_params, store, backend=backend, tp=self.tp,
+                                     replicated=self._replicated(), hidden_dtype=loaded.model.dtype)
+        rope = tuple(float(f) for f in inv_frequencies(mc.head_dim, mc.rope_theta, mc.rope_scaling))
+        self.compressor = CompiledSteps("compression", compress_layer, store, cfg=config.compression, backend=backend,
+                                        tp=self.tp, rope=rope)
+        self.seeder = CompiledSteps("history", seed_history, store)
+        self.grid = ProgramGrid(self.forward, self.compressor, self.seeder, config=config, pool=pool,
+                                layout=self.inputs, abstract_state=self.abstract_state)
+        self.compress_seconds = 0.0  # measured with config.profile_compaction only
+
+    @property
+    def backend(self) -> Backend:
+        return self.inputs.backend
+
+    # -- the device state -----------------------------------------------------------------
+
+    def _fresh_state(self) -> DeviceState:
+        """An empty KV pool and sampler state, placed as every compiled step expects them."""
+        if self.tp is None:  # host zeros copied in: no program compiled (committed to the device, as steps expect)
+            return jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), self.abstract_state)
+        return DeviceState(self.tp.make_kv(self._make_kv), self.tp.replicate(self._make_sampler()))
+
+    @property
+    def state(self) -> DeviceState:
+        if self._state is None:
+            self._state = self._state_future.result()
+        return self._state
+
+    @state.setter
+    def state(self, value: DeviceState) -> None:
+        self._state = value
+
+    def _replicated(self):
+        """Where values every device holds whole live: the device, or replicated over the mesh."""
+        if self.tp is None:
+            return SingleDeviceSharding(jax.devices()[0])
+        return self.tp.replicated_shardings(0)
+
+    def _abstract_state(self) -> DeviceState:
+        """The device state's shapes, dtypes and placement (what compiling a step needs of it)."""
+        shapes = jax.eval_shape(lambda: DeviceState(self._make_kv(), self._make_sampler()))
+        if self.tp is None:
+            shardings = jax.tree.map(lambda _: self._replicated(), shapes)
+        else:
+            shardings = DeviceState(self.tp.kv_shardings(shapes.kv), self.tp.replicated_shardings(shapes.sampler))
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+    def reset_state(self) -> None:
+        """After a failed step: frees what is left of the device state (a failed call may have
+        consumed it, or left it holding poisoned buffers) and builds a fresh one. The compiled
+        executables stay valid: the new state has the old one's shapes and placement."""
+        for leaf in jax.tree.leaves(self.state):
+            if not leaf.is_deleted():
+                leaf.delete()  # the old pool goes before the new one is allocated
+        self.state = self._fresh_state()
+
+    # -- programs -------------------------------------------------------------------------
+
+    @property
+    def records(self) -> list[ProgramRecord]:
+        """How every ready program was built (compiled or loaded), with its seconds per stage."""
+        return self.grid.records
+
+    @property
+    def num_compiles(self) -> int:
+        """Programs built: compiled here or loaded from the executable store (a forward step's
+        stages count one each)."""
+        return self.grid.num_compiles
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent building every program so far (tracing, lowering, compiling or loading)."""
+        return self.grid.compile_seconds
+
+    def step_grid(self) -> list[GridProgram]:
+        """Every program the configuration can reach, the serving set first (grid.py)."""
+        return self.grid.step_grid()
+
+    # -- compression ----------------------------------------------------------------------
+
+    def compress(self, plans: list[CompressionPlan]) -> None:
+        """One compaction of every sequence in `plans`, whatever their budgets and policies."""
+        key = self.grid.compress_key(len(plans), max(len(p.source_table) for p in plans))
+        tables = compaction_tables(plans, key[1], key[3], self.inputs.num_query_slots)
+        profile = self.config.profile_compaction
+        if profile:  # time the compaction alone, not the forward step still in flight
+            jax.block_until_ready(self.state)
+        start = time.perf_counter()
+        pools, queries = list(self.state.kv.pools), list(self.state.kv.queries)
+        for i in range(len(pools)):  # one program, called per layer
+            layer = self.compressor(key, KVState((pools[i],), (queries[i],)), *tables)
+            pools[i], queries[i] = layer.pools[0], layer.queries[0]
+        self.state = self.state._replace(kv=KVState(tuple(pools), tuple(queries)))
+        if profile:
+            jax.block_until_ready(self.state)
+            self.compress_seconds += time.perf_counter() - start
+
+    # -- forward --------------------------------------------------------------------------
+
+    def dispatch(self, chunks: list[Chunk]) -> tuple[list[PendingBatch], list[RowFailure]]:
+        """Dispatches the step's decode rows and prefill rows (at most two compiled calls). A
+        chunk whose inputs cannot be built fails alone (RowFailure); the step runs without it."""
+        failures: list[RowFailure] = []
+        rows = []
+        for chunk in chunks:
+            try:
+                seeded = self.inputs.needs_history(chunk.seq)
+                if seeded:
+                    self.seed_history(chunk.seq)
+                rows.append((chunk, self.inputs.sampling_row(chunk, seeded)))
+            except Exception as exc:  # noqa: BLE001 - this request fails alone
+                failures.append(RowFailure(chunk, exc))
+        decoding_next = sum(c.num_tokens == 1 or c.samples for c, _ in rows)
+        if decoding_next:  # the next step's decode program builds beside this step
+            self.grid.prefetch_decode(decoding_next)
+        pending = []
+        for is_decode in (True, False):
+            picked = [(c, r) for c, r in rows if (c.num_tokens + c.tail == 1) == is_decode]
+            if picked:
+                batch = self._dispatch_batch(picked, is_decode, failures)
+                if batch is not None:
+                    pending.append(batch)
+        return pending, failures
+
+    def fetch(self, batches: list[PendingBatch]) -> Iterator[StepResult | PromptLogprobsResult]:
+        """The sampled tokens and prompt log-probabilities of dispatched batches (waits for the
+        device); a batch's prompt log-probabilities come before its tokens."""
+        for batch in batches:
+            out = jax.device_get(batch.outputs)
+            if batch.prompt_chunks:
+                prompt = jax.device_get(batch.prompt_outputs)
+                for p in batch.prompt_chunks:  # [R, C, ...] -> the chunk's [num_entries, ...]
+                    entries = [a[p.row:].reshape(-1, *a.shape[2:])[:p.num_entries] for a in prompt]
+                    yield PromptLogprobsResult(p.chunk, p.chunk.start + 1, *entries)
+            for chunk, row in zip(batch.chunks, batch.rows):
+                yield StepResult(chunk, int(out.token_ids[row]), float(out.logprobs[row]), out.top_ids[row],
+                                 out.top_logprobs[row])
+
+    def _dispatch_batch(self, picked: list[tuple[Chunk, SamplingRow]], is_decode: bool,
+                        failures: list[RowFailure]) -> PendingBatch | None:
+        chunk_len = 1 if is_decode else self.row_size
+        prepared: list[tuple[Chunk, ChunkRows]] = []
+        for chunk, srow in picked:
+            try:  # everything that can fail happens here, before any row is written
+                prepared.append((chunk, self.inputs.chunk_rows(chunk, srow, chunk_len)))
+            except Exception as exc:  # noqa: BLE001 - the request fails alone; the step goes on
+                failures.append(RowFailure(chunk, exc))
+        num_rows = sum(len(rows) for _, rows in prepared)
+        if num_rows == 0:
+            return None
+        key = self.grid.forward_key(is_decode, num_rows)
+        batch = self.inputs.batch(prepared, key[1], chunk_len)
+        args = (batch.inputs, batch.sampling, batch.prompt_targets)
+        # the programs first: they load or compile while the device state may still be zeroed
+        self.forward.get(key, self.abstract_state, *args)
+        self.state, outputs, prompt = self.forward(key, self.state, *args)
+        return PendingBatch(batch.chunks, batch.rows, outputs, batch.prompt_chunks, prompt)
+
+    def seed_history(self, seq: Sequence) -> None:
+        """Clears `seq`'s state slot and counts its cached prefix tokens (penalised requests
+        admitted with a prefix-cache hit: those tokens never pass through a step)."""
+        n = seq.num_computed_tokens
+        key = self.grid.history_key(n)
+        tokens = np.full((1, key[1]), -1, np.int32)
+        tokens[0, :n] = seq.token_ids[:n]
+        self.state = self.seeder(key, self.state, np.array([seq.state_slot], np.int32), tokens,
+                                 np.array([seq.num_prompt_tokens], np.int32))
+
+
+def _background(fn: Callable[[], DeviceState]) -> Future:
+    """fn() on a thread of its own. Not a daemon, even when started from one: the interpreter
+    waits for it before it shuts the runtime down (a thread still inside the runtime then aborts
+    the process)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - raised where the state is first used
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="zipage-state", daemon=False).start()
+    return future

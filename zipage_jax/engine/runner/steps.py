@@ -1,0 +1,51 @@
+"""The device state every compiled step donates, and the steps beside the forward one
+(engine/runner/forward.py): one layer's compaction, and a state slot's token history."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from zipage_jax.backend import Backend
+from zipage_jax.compress.config import CompressionConfig
+from zipage_jax.compress.step import compress
+from zipage_jax.engine.sharding import TensorParallel
+from zipage_jax.layers.kv_cache import KVState
+from zipage_jax.layers.sampler import SamplerState, record_inputs
+
+
+class DeviceState(NamedTuple):
+    kv: KVState
+    sampler: SamplerState
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp", "rope"), donate_argnames=("kv",))
+def compress_layer(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows, *,
+                   cfg: CompressionConfig, backend: Backend, tp: TensorParallel | None,
+                   rope: tuple[float, ...]) -> KVState:
+    """One compaction step of one layer (`kv` holds that layer only): the runner calls the same
+    program for every layer, so its compile time does not grow with depth."""
+    def step(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows) -> KVState:
+        queries = list(kv.queries)
+        if tp is not None:
+            queries, query_ids = tp.group_queries(queries, query_ids)
+        pools = compress(list(kv.pools), queries, block_tables, num_blocks, query_ids, compressed, target_tables,
+                         rows, cfg, backend, rope)
+        return kv._replace(pools=tuple(pools))
+
+    if tp is not None:  # each shard compresses its own kv heads
+        step = tp.per_shard_kv(step, kv)
+    return step(kv, block_tables, num_blocks, query_ids, compressed, target_tables, rows)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def seed_history(state: DeviceState, slot, tokens, num_prompt) -> DeviceState:
+    """A sequence admitted with cached prefix tokens: clear its slot and count those tokens."""
+    # slot, num_prompt: [1]; tokens: [1, N] (-1 padding)
+    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    sampler = record_inputs(state.sampler, tokens, positions, tokens >= 0, slot, num_prompt,
+                            jnp.ones((1,), jnp.bool_))
+    return state._replace(sampler=sampler)
