@@ -2,60 +2,78 @@
 
 The scoring options are a `CompressionConfig` (zipage_jax/compress/config.py) held as the field
 `compression`; `from_options` (what LLM(...), the CLI and the server use) takes them flat, by
-their own names, beside the engine's.
+their own names, beside the engine's. Every field is documented in the field itself (`option`,
+which the server's config uses too), which is the help of its command-line flag.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES
-from zipage_jax.compress.config import CompressionConfig
+from zipage_jax.compress.config import CompressionConfig, option
 from zipage_jax.compress.policies import DEFAULT_POLICY, get_policy
 
 PROMPT_COMPRESSION = ("bounded", "deferred")
 
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "default"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    kvcache_block_size: int = 256
-    num_kvcache_blocks: int | None = None  # None: sized from kvcache_memory_gb
-    kvcache_memory_gb: float = 2.0
-    enable_prefix_caching: bool = True
-    attention_backend: Literal["auto", "xla", "pallas"] = "auto"
-    seed: int = 0
-    compilation_cache_dir: str | None = None  # compiled programs; None: $ZIPAGE_JAX_CACHE/executables/<host CPU>; "": off
-    log_interval_s: float = 10.0
-    # compression (None = full KV)
-    max_cache_blocks_per_seq: int | None = None
-    query_cache_len: int = 16
-    # a prompt longer than its budget: "bounded" compacts between chunks (peak: budget + one chunk),
-    # "deferred" once at the prompt's end (peak: the whole prompt); SamplingParams.prompt_compression overrides it
-    prompt_compression: Literal["bounded", "deferred"] = "bounded"
-    # the prompt's last tokens whose queries score each compaction inside the prompt (at most half a
-    # step, and none when a step has a single prefill row); 0: each chunk's own queries
-    prompt_window: int = 32
-    compression: CompressionConfig = field(default_factory=CompressionConfig)  # scoring options
-    eviction_policy: str = DEFAULT_POLICY  # compress/policies.py; SamplingParams.eviction_policy overrides it
-    sink_len: int | None = None  # protected first tokens; None: each policy's own (zipage 0, others 4)
-    recent_fraction: float | None = None  # window policies: share of the budget kept as the most recent tokens
-    prompt_fraction: float | None = None  # prompt-reserve policies: share of the budget reserved for the prompt
-    kv_cache_dtype: str = "auto"  # "auto" (the model dtype), "int8" or "fp8" (e4m3): per-token scales;
-    # "int4": packed, a float16 scale per 32 elements; head_dim % 64 == 0, checked when the engine plans its pool
-    profile_compaction: bool = False  # time each compaction alone (it then blocks on the device)
-    enable_hybrid_engine: bool = True
-    max_compress_seqs: int = 8  # sequences compacted in one step
-    tensor_parallel_size: int = 1
-    async_scheduling: bool = True  # schedule and dispatch step N+1 before step N's tokens reach the host
-    prefill_row_size: int = 32  # tokens per row of a prefill batch (a chunk spans several rows)
-    warmup: bool = False  # compile every step shape the configuration can reach at start-up
+    model: str = option("default", doc="a registry name (zipage_jax/models/registry.py; \"default\" is "
+                                       "SmolLM2-135M-Instruct), a transformers model directory or a GGUF file")
+    dtype: str | None = option(None, doc="the model's dtype: float32, bfloat16 or float16; default: float32 on CPU, "
+                                         "bfloat16 on GPU")
+    max_num_seqs: int = option(64, doc="sequences running at once")
+    max_num_batched_tokens: int = option(2048, doc="tokens in one step (a prefill chunk is at most this long)")
+    max_model_len: int | None = option(None, doc="tokens a sequence may reach (prompt and output); default: the "
+                                                 "model's max_position_embeddings")
+    kvcache_block_size: int = option(256, doc="tokens per KV cache block (a power of two >= 16)")
+    num_kvcache_blocks: int | None = option(None, doc="blocks in the KV pool; default: as many as kvcache_memory_gb "
+                                                      "holds")
+    kvcache_memory_gb: float = option(2.0, doc="device memory for the KV pool, in GB (unless num_kvcache_blocks)")
+    enable_prefix_caching: bool = option(True, doc="share the KV blocks of a prompt prefix seen before")
+    attention_backend: Literal["auto", "xla", "pallas"] = option(
+        "auto", doc="attention kernels: pallas (GPU), xla, or auto (pallas on GPU, else xla)")
+    seed: int = option(0, doc="seed of the random numbers of requests that give none")
+    compilation_cache_dir: str | None = option(
+        None, doc="where compiled programs are stored; default: $ZIPAGE_JAX_CACHE/executables/<host CPU>; "
+                  "\"\": off")
+    log_interval_s: float = option(10.0, doc="seconds between the engine's log lines of its statistics")
+    max_cache_blocks_per_seq: int | None = option(
+        None, doc="KV budget of a sequence, in blocks: a longer sequence is compressed to it; default: full KV "
+                  "(SamplingParams.kv_budget overrides it)")
+    query_cache_len: int = option(16, doc="the last queries of a sequence kept to score its tokens (at most "
+                                          "kvcache_block_size)")
+    prompt_compression: Literal["bounded", "deferred"] = option(
+        "bounded", doc="a prompt longer than its budget: bounded compacts between chunks (peak: budget + one "
+                       "chunk), deferred once at the prompt's end (peak: the whole prompt); "
+                       "SamplingParams.prompt_compression overrides it")
+    prompt_window: int = option(32, doc="the prompt's last tokens whose queries score each compaction inside the "
+                                        "prompt (at most half a step, and none when a step has a single prefill "
+                                        "row); 0: each chunk's own queries")
+    compression: CompressionConfig = option(default_factory=CompressionConfig, doc="the scoring options")
+    eviction_policy: str = option(DEFAULT_POLICY, doc="which tokens a full sequence keeps (compress/policies.py); "
+                                                      "SamplingParams.eviction_policy overrides it")
+    sink_len: int | None = option(None, doc="protected first tokens; default: each policy's own (zipage 0, "
+                                            "others 4)")
+    recent_fraction: float | None = option(None, doc="window policies: share of the budget kept as the most "
+                                                     "recent tokens; default: each policy's own")
+    prompt_fraction: float | None = option(None, doc="prompt-reserve policies: share of the budget reserved for "
+                                                     "the prompt; default: each policy's own")
+    kv_cache_dtype: str = option("auto", doc="auto (the model dtype), int8 or fp8 (e4m3): per-token scales; int4: "
+                                             "packed, a float16 scale per 32 elements (head_dim a multiple of 64)")
+    profile_compaction: bool = option(False, doc="time each compaction alone (it then blocks on the device)")
+    enable_hybrid_engine: bool = option(True, doc="give a sequence a query slot only once its queries will be "
+                                                  "scored (off: every sequence may hold one)")
+    max_compress_seqs: int = option(8, doc="sequences compacted in one step")
+    tensor_parallel_size: int = option(1, doc="devices the model's heads are sharded over")
+    async_scheduling: bool = option(True, doc="schedule and dispatch step N+1 before step N's tokens reach the host")
+    prefill_row_size: int = option(32, doc="tokens per row of a prefill batch (a chunk spans several rows; a power "
+                                           "of two)")
+    warmup: bool = option(False, doc="compile every step shape the configuration can reach at start-up")
 
     def __post_init__(self) -> None:
         bs = self.kvcache_block_size
@@ -103,7 +121,7 @@ class EngineConfig:
     def from_options(cls, **options) -> "EngineConfig":
         """The config from flat options: the engine's fields and CompressionConfig's, by name."""
         scoring_names = {f.name for f in dataclasses.fields(CompressionConfig)}
-        unknown = sorted(set(options) - {name for name, _ in option_fields()} - {"compression"})
+        unknown = sorted(set(options) - {f.name for f, _ in option_fields()} - {"compression"})
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}")
         scoring = {k: options.pop(k) for k in list(options) if k in scoring_names}
@@ -119,12 +137,12 @@ class EngineConfig:
         return min(self.prefill_row_size, 1 << (self.max_num_batched_tokens.bit_length() - 1))
 
 
-def option_fields() -> list[tuple[str, object]]:
-    """(name, type) of every flat option `from_options` takes: the engine's, then the scoring ones."""
+def option_fields() -> list[tuple[dataclasses.Field, object]]:
+    """(field, type) of every flat option `from_options` takes: the engine's, then the scoring ones."""
     engine = typing.get_type_hints(EngineConfig)
     scoring = typing.get_type_hints(CompressionConfig)
-    return ([(f.name, engine[f.name]) for f in dataclasses.fields(EngineConfig) if f.name != "compression"]
-            + [(f.name, scoring[f.name]) for f in dataclasses.fields(CompressionConfig)])
+    return ([(f, engine[f.name]) for f in dataclasses.fields(EngineConfig) if f.name != "compression"]
+            + [(f, scoring[f.name]) for f in dataclasses.fields(CompressionConfig)])
 
 
 def _positive(name: str, value: int) -> None:

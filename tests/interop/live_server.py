@@ -1,4 +1,4 @@
-"""A live `scripts/serve_jax.py` process on a tiny model, for the third-party clients' tests."""
+"""A live `python -m zipage_jax serve` process on a tiny model, for the third-party clients' tests."""
 
 from __future__ import annotations
 
@@ -39,12 +39,12 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def serve(model_dir: Path, work: Path) -> Iterator[LiveServer]:
-    """serve_jax.py serving `model_dir` as MODEL with a KV budget (compression on), until the block exits."""
+    """`zipage-jax serve` serving `model_dir` as MODEL with a KV budget (compression on), until the block exits."""
     port = _free_port()
     log = work / "server.log"
     env = {**os.environ, "ZIPAGE_JAX_CACHE": str(work / "cache")}
     with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve_jax.py"), "--model", str(model_dir),
+        proc = subprocess.Popen([sys.executable, "-m", "zipage_jax", "serve", "--model", str(model_dir),
                                  "--served-model-name", MODEL, "--port", str(port), "--log-level", "info",
                                  *SERVER_FLAGS], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     server = LiveServer(f"http://127.0.0.1:{port}", model_dir, log)
@@ -52,14 +52,14 @@ def serve(model_dir: Path, work: Path) -> Iterator[LiveServer]:
         deadline = time.monotonic() + 300
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"serve_jax.py exited with {proc.returncode}:\n{server.log_text()[-3000:]}")
+                raise RuntimeError(f"the server exited with {proc.returncode}:\n{server.log_text()[-3000:]}")
             try:
                 if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"serve_jax.py did not become healthy:\n{server.log_text()[-3000:]}")
+                raise TimeoutError(f"the server did not become healthy:\n{server.log_text()[-3000:]}")
             time.sleep(0.2)
         yield server
     finally:

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from live_server import MODEL, LiveServer, server_errors
 
 pytestmark = pytest.mark.interop

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from server_harness import running_server
 
 

@@ -4,7 +4,6 @@ demand) and the helpers the test_server* modules share."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import re
 import socket
@@ -18,6 +17,7 @@ import openai
 import pytest
 import uvicorn
 
+from zipage_jax.cli import main
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
 from zipage_jax.server import create_app
@@ -111,12 +111,9 @@ def running_server(tiny_model_factory, model_cache_dir, engine_class=FaultyEngin
             srv.close()
 
 
-def serve_script():
-    """scripts/serve_jax.py as a module."""
-    spec = importlib.util.spec_from_file_location("serve_jax", ROOT / "scripts" / "serve_jax.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def serve(*argv: str) -> int:
+    """`python -m zipage_jax serve ARGV`, in this process (tests patch zipage_jax.commands.serve)."""
+    return main(["serve", *argv])
 
 
 def wait_for(condition, timeout: float, message: str) -> None:

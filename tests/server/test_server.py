@@ -11,12 +11,21 @@ import httpx
 import openai
 import pytest
 import uvicorn
-
 from server_harness import (
-    CHAT, COMPLETIONS, GREEDY, MODEL, USER, ServerThread, metrics, serve_script, slow_steps, wait_for,
-    wait_idle)
-from zipage_jax.server import create_app
+    CHAT,
+    COMPLETIONS,
+    GREEDY,
+    MODEL,
+    USER,
+    ServerThread,
+    metrics,
+    serve,
+    slow_steps,
+    wait_for,
+    wait_idle,
+)
 
+from zipage_jax.server import create_app
 
 # -- the openai client -------------------------------------------------------------------------
 
@@ -325,7 +334,7 @@ def test_n_above_the_servers_max_n_is_refused_even_while_loading():
         srv.close()
 
 
-def test_script_binds_localhost_and_exits_when_the_model_cannot_load(tmp_path, caplog, monkeypatch):
+def test_serve_binds_localhost_and_exits_when_the_model_cannot_load(tmp_path, caplog, monkeypatch):
     bound = []
     run = uvicorn.Server.run
 
@@ -338,14 +347,14 @@ def test_script_binds_localhost_and_exits_when_the_model_cannot_load(tmp_path, c
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     missing = str(tmp_path / "no-model")
-    assert serve_script().main(["--model", missing, "--port", str(port), "--kvcache-block-size", "16"]) == 1
+    assert serve("--model", missing, "--port", str(port), "--kvcache-block-size", "16") == 1
     assert bound == [("127.0.0.1", port)]
     assert "no-model' does not exist" in caplog.text
 
 
-def test_script_rejects_bad_engine_flags(capsys):
+def test_serve_rejects_bad_engine_flags(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        serve_script().main(["--kvcache-block-size", "24"])
+        serve("--kvcache-block-size", "24")
     assert exit_info.value.code == 2 and "kvcache_block_size" in capsys.readouterr().err
 
 
@@ -358,7 +367,7 @@ def test_script_rejects_bad_engine_flags(capsys):
                                                   ("--max-queued-requests", "0", "max_queued_requests must be >= 1"),
                                                   ("--api-key", "", "api_key must be a non-empty string"),
                                                   ("--api-key", "a b", "api_key must be a non-empty string")])
-def test_script_rejects_bad_server_flags(capsys, flag, value, message):
+def test_serve_rejects_bad_server_flags(capsys, flag, value, message):
     with pytest.raises(SystemExit) as exit_info:
-        serve_script().main([flag, value])
+        serve(flag, value)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -8,8 +8,8 @@ import json
 
 import httpx
 import pytest
-
 from server_harness import COMPLETIONS, ENGINE_OPTIONS, MODEL
+
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import SamplingParams
 

@@ -15,11 +15,24 @@ import threading
 
 import httpx
 import pytest
-
 from device_failures import FailingCalls
 from server_harness import (
-    COMPLETIONS, MODEL, POISON_SEED, ROW_FAILURE, ROW_FAILURE_SEED, FaultyEngine, bystander, running_server,
-    serve_script, slow_steps, sse_events, wait_for, wait_idle)
+    COMPLETIONS,
+    MODEL,
+    POISON_SEED,
+    ROW_FAILURE,
+    ROW_FAILURE_SEED,
+    FaultyEngine,
+    bystander,
+    running_server,
+    serve,
+    slow_steps,
+    sse_events,
+    wait_for,
+    wait_idle,
+)
+
+from zipage_jax.commands import serve as serve_command
 from zipage_jax.engine.llm_engine import EngineFailed
 from zipage_jax.sampling_params import SamplingParams
 
@@ -213,13 +226,12 @@ class _FailedEngine(FaultyEngine):
         raise EngineFailed("rebuilding the device state after a failed step failed") from self.failed
 
 
-def test_script_exits_1_once_the_engine_has_failed(tiny_model_factory, model_cache_dir, monkeypatch, caplog):
+def test_serve_exits_1_once_the_engine_has_failed(tiny_model_factory, model_cache_dir, monkeypatch, caplog):
     monkeypatch.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
-    script = serve_script()
-    monkeypatch.setattr(script, "LLMEngine", _FailedEngine)
+    monkeypatch.setattr(serve_command, "LLMEngine", _FailedEngine)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     model = str(tiny_model_factory("qwen3"))
-    assert script.main(["--model", model, "--port", str(port), "--kvcache-block-size", "16"]) == 1
+    assert serve("--model", model, "--port", str(port), "--kvcache-block-size", "16") == 1
     assert "the engine failed and cannot serve" in caplog.text

@@ -12,8 +12,8 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_harness import CHAT, COMPLETIONS, MODEL, USER, metrics, running_server, slow_steps, sse_events, wait_for
+
 import zipage_jax.server.preprocess as preprocess
 from zipage_jax.server import create_app
 from zipage_jax.server.auth import api_key_from
@@ -35,7 +35,7 @@ def server(tiny_model_factory, model_cache_dir):
 def queue_empties(server):
     """After the test, nothing holds a place in the admission queue."""
     yield
-    wait_for(lambda: server.app.state.admission.queued == 0, 30, "the admission queue was not released")
+    wait_for(lambda: server.app.state.queue.queued == 0, 30, "the queue was not released")
 
 
 def anonymous(server, **headers) -> httpx.Client:
@@ -222,11 +222,11 @@ def test_more_sequences_than_the_queue_holds_are_a_400(server, queue_empties):
 def test_a_request_that_fails_or_goes_away_gives_its_place_back(server, queue_empties):
     too_long = server.http.post(COMPLETIONS, json={"model": MODEL, "prompt": "x " * 300, "max_tokens": 1})
     assert too_long.status_code == 400  # refused after it was admitted
-    assert server.app.state.admission.queued == 0
+    assert server.app.state.queue.queued == 0
     body = dict(model=MODEL, prompt="x", n=MAX_QUEUED, max_tokens=50, ignore_eos=True, stream=True)
     with slow_steps(server, 0.5):
         with server.http.stream("POST", COMPLETIONS, json=body) as r:
-            assert r.status_code == 200 and server.app.state.admission.queued == MAX_QUEUED
+            assert r.status_code == 200 and server.app.state.queue.queued == MAX_QUEUED
         # the client went away before the first output
 
 
@@ -253,7 +253,7 @@ def spinning(decode, seconds: float):
 
 @pytest.mark.parametrize("path, fields", HEAVY, ids=["completions-stream", "chat-stream", "completions", "chat"])
 def test_health_answers_within_100ms_while_logprobs_are_formatted(server, path, fields, monkeypatch, queue_empties):
-    tokenizer = server.app.state.engine_loop.tokenizer  # the formats'
+    tokenizer = server.app.state.engine_loop.tokenizer  # the response builders'
     monkeypatch.setattr(tokenizer, "decode", spinning(tokenizer.decode, DECODE_S))
     body = dict(model=MODEL, n=4, max_tokens=160, temperature=0, ignore_eos=True, **fields)
     done, result = threading.Event(), {}

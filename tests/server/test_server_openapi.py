@@ -13,9 +13,12 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
-    content_type_conformance, negative_data_rejection, response_headers_conformance, response_schema_conformance,
-    status_code_conformance)
-
+    content_type_conformance,
+    negative_data_rejection,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from scripted_engine import ScriptedEngine
 from server_harness import MODEL, running_server
 

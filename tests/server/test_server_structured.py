@@ -11,7 +11,6 @@ import re
 import jsonschema_rs
 import openai
 import pytest
-
 from server_harness import MODEL, USER
 
 SAMPLED = dict(temperature=1.0, seed=7)

@@ -11,9 +11,9 @@ import tomllib
 import httpx
 import openai
 import pytest
+from server_harness import CHAT, COMPLETIONS, GREEDY, MODEL, ROOT, USER, ServerThread, sse_events
 from transformers import AutoTokenizer
 
-from server_harness import CHAT, COMPLETIONS, GREEDY, MODEL, ROOT, USER, ServerThread, sse_events
 from zipage_jax.server import create_app
 from zipage_jax.server.limits import RequestLimits
 

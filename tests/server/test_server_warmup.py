@@ -1,4 +1,4 @@
-"""The server warms up: with warm-up on (serve_jax.py's default) the loaded engine builds its
+"""The server warms up: with warm-up on (`zipage-jax serve`'s default) the loaded engine builds its
 compiled programs in the background, and /health, generation and tokenizer routes answer 503
 until the serving set (the largest program of each kind) is built; /metrics counts the programs
 and the seconds spent building them; stopping the server stops the warm-up. With warm-up off the
@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import subprocess
+import sys
 import threading
 import types
 from collections.abc import Iterator
@@ -19,11 +21,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import uvicorn
+from server_harness import CHAT, COMPLETIONS, MODEL, ROOT, USER, ServerThread, parse_metrics, serve, wait_for
 
-from server_harness import CHAT, COMPLETIONS, MODEL, USER, ServerThread, parse_metrics, serve_script, wait_for
-from zipage_jax.engine import warmup as warmup_module
+from zipage_jax.commands import serve as serve_command
 from zipage_jax.engine.llm_engine import LLMEngine
-from zipage_jax.engine.runner import ModelRunner
+from zipage_jax.engine.runner import warmup as warmup_module
+from zipage_jax.engine.runner.model_runner import ModelRunner
 from zipage_jax.server import create_app
 
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
@@ -212,14 +215,13 @@ def test_stopping_the_server_stops_the_warm_up(tiny_model_factory, model_cache_d
     assert [t.name for t in started if t.name.startswith(("zipage-warmup", "zipage-engine"))] == []
 
 
-# -- serve_jax.py ------------------------------------------------------------------------------------
+# -- zipage-jax serve --------------------------------------------------------------------------------
 
 
 @pytest.fixture
-def script_run(monkeypatch):
-    """Runs serve_jax.main without a model or a port: what it passes create_app, and the options
-    it builds the engine with."""
-    script = serve_script()
+def serve_run(monkeypatch):
+    """Runs `zipage-jax serve` without a model or a port: what it passes create_app, and the
+    options it builds the engine with."""
     calls: list[dict] = []
     engines: list[dict] = []
 
@@ -229,14 +231,14 @@ def script_run(monkeypatch):
         loop = types.SimpleNamespace(load_error=None, engine_error=None)
         return types.SimpleNamespace(state=types.SimpleNamespace(engine_loop=loop))
 
-    monkeypatch.setattr(script, "create_app", fake_create_app)
-    monkeypatch.setattr(script, "LLMEngine", lambda **options: engines.append(options))
+    monkeypatch.setattr(serve_command, "create_app", fake_create_app)
+    monkeypatch.setattr(serve_command, "LLMEngine", lambda **options: engines.append(options))
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, *args, **kwargs: None)
 
     def run(*argv: str) -> tuple[bool, dict]:
         calls.clear()
         engines.clear()
-        assert script.main(["--kvcache-block-size", "16", *argv]) == 0
+        assert serve("--kvcache-block-size", "16", *argv) == 0
         assert len(calls) == 1 and len(engines) == 1
         return calls[0]["warmup"], engines[0]
 
@@ -244,18 +246,20 @@ def script_run(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, warmup", [((), True), (("--warmup",), True), (("--no-warmup",), False)])
-def test_the_script_warms_up_in_the_background_unless_told_not_to(script_run, argv, warmup):
-    app_warmup, engine_options = script_run(*argv)
+def test_serve_warms_up_in_the_background_unless_told_not_to(serve_run, argv, warmup):
+    app_warmup, engine_options = serve_run(*argv)
     assert app_warmup is warmup
     assert engine_options["warmup"] is False  # never the engine's blocking warm-up
     assert engine_options["kvcache_block_size"] == 16 and engine_options["model"] == "default"
 
 
-def test_the_scripts_help_says_the_server_warms_up_by_default(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        serve_script().main(["--help"])
-    assert exit_info.value.code == 0
-    text = " ".join(capsys.readouterr().out.split())
+def test_the_launcher_scripts_help_says_the_server_warms_up_by_default():
+    """scripts/serve_jax.py launches `zipage-jax serve`."""
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "serve_jax.py"), "--help"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert text.startswith("usage: zipage-jax serve")
     help_text = text.split("--warmup, --no-warmup ", 1)[1][:400]
     assert help_text.startswith("build every compiled program in the background")
     assert "(default: on; --no-warmup: serve at once, compiling programs when the first requests need them)" \

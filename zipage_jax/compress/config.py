@@ -3,31 +3,52 @@
 A static argument of the jitted compression step: changing one compiles a new step. A
 sequence's budget and policy are per-row values (`policies.KVBudget`), not part of it, and the
 block size is the pools' own.
+
+`option` documents a config field in the field itself: the command-line flags built from
+EngineConfig and CompressionConfig (zipage_jax/cli_options.py) show that text as their help.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import MISSING, Field, dataclass, field
+from typing import Any, Literal
 
 Redundancy = Literal["none", "lightning", "raw"]
 
 
+def option(default: Any = MISSING, *, doc: str, default_factory: Any = MISSING, **metadata: Any) -> Any:
+    """A dataclass field with its documentation (`doc_of`) and any other `metadata`."""
+    return field(default=default, default_factory=default_factory, metadata={"doc": doc, **metadata})
+
+
+def doc_of(f: Field) -> str:
+    """The documentation `option` gave field `f`."""
+    return f.metadata["doc"]
+
+
 @dataclass(frozen=True)
 class CompressionConfig:
-    use_global_score: bool = True  # accumulated attention with decay (the reference's global score)
-    decay_factor: float = 0.8
-    max_norm: bool = False
-    enable_pooling: bool = False
-    continues_pooling: bool = False
-    pooling_size: int = 5
-    # max-pool kernel over the scores of a compaction inside a prompt (SnapKV's pooling): a token
-    # the prompt's end attends to keeps its neighbours, so a span survives whole; 1: off
-    prompt_pooling_size: int = 15
-    redundancy: Redundancy = "none"
-    redundancy_lambda: float = 0.2
-    redundancy_temperature: float = 0.4
-    redundancy_threshold: float = 0.5
+    use_global_score: bool = option(True, doc="score a token compressed before by the larger of its fresh score and "
+                                              "its earlier one times decay_factor (the reference's global score)")
+    decay_factor: float = option(0.8, doc="what the global score multiplies a token's earlier score by; in (0, 1]")
+    max_norm: bool = option(False, doc="divide the scores by their per-(sequence, head) maximum before combining "
+                                       "them")
+    enable_pooling: bool = option(False, doc="max-pool the scores along the tokens (pooling_size) of a sequence not "
+                                             "compressed before")
+    continues_pooling: bool = option(False, doc="with enable_pooling, pool the scores of sequences compressed before "
+                                                "too")
+    pooling_size: int = option(5, doc="the max-pooling kernel of enable_pooling (an odd number)")
+    prompt_pooling_size: int = option(15, doc="max-pool kernel over the scores of a compaction inside a prompt "
+                                              "(SnapKV's pooling): a token the prompt's end attends to keeps its "
+                                              "neighbours, so a span survives whole; 1: off")
+    redundancy: Redundancy = option("none", doc="penalise keys similar to others: lightning compares keys within "
+                                                "a block, raw across the whole sequence; none: off")
+    redundancy_lambda: float = option(0.2, doc="with redundancy, the score becomes score * lambda - redundancy * "
+                                               "(1 - lambda); in [0, 1]")
+    redundancy_temperature: float = option(0.4, doc="with redundancy, the softmax temperature of the similarities "
+                                                    "(> 0)")
+    redundancy_threshold: float = option(0.5, doc="with redundancy, the cosine similarity above which two keys "
+                                                  "count as near-copies; in [0, 1]")
 
     def __post_init__(self) -> None:
         for name in ("use_global_score", "max_norm", "enable_pooling", "continues_pooling"):

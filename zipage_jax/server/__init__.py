@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server over the engine (scripts/serve_jax.py)."""
+"""OpenAI-compatible HTTP server over the engine (`zipage-jax serve`: zipage_jax/commands/serve.py)."""
 
 from zipage_jax.server.app import create_app
 

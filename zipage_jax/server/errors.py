@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.server.protocol import SHAPE_FIELDS
+from zipage_jax.server.responses import ErrorDetail, ErrorResponse
 
 logger = logging.getLogger("zipage_jax.server")
 
@@ -61,8 +62,9 @@ def internal_message(request_id: str) -> str:
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return {"error": {"message": _printable(message), "type": kind,
-                      "param": None if param is None else _printable(param), "code": code}}
+    detail = ErrorDetail(message=_printable(message), type=kind, param=None if param is None else _printable(param),
+                         code=code)
+    return ErrorResponse(error=detail).body()
 
 
 def _printable(text: str) -> str:

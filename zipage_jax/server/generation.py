@@ -15,11 +15,12 @@ from starlette.types import Receive, Scope, Send
 
 from zipage_jax.engine.outputs import RequestOutput, TokenLogprob
 from zipage_jax.sampling_params import SamplingParams
-from zipage_jax.server.admission import Reservation
 from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
 from zipage_jax.server.errors import error_body, internal_message
 from zipage_jax.server.format_thread import FormatThread
-from zipage_jax.server.formats import ResponseFormat, usage
+from zipage_jax.server.queue_capacity import Reservation
+from zipage_jax.server.response_builders import ResponseBuilder
+from zipage_jax.server.responses import ResponseBody, Usage
 
 
 @dataclass(frozen=True)
@@ -47,18 +48,18 @@ class Generation:
     released prompt by prompt as each starts, and wholly once the generation ends.
 
     A request with log-probabilities is formatted on the FormatThread (each token's text and its
-    alternatives' are decoded); any other output is a small dict, made on the event loop, where
+    alternatives' are decoded); any other output is a small body, made on the event loop, where
     handing it to a thread would cost more."""
 
     def __init__(self, engine_loop: EngineLoop, prompts: list[list[int]], params: SamplingParams,
-                 fmt: ResponseFormat, request_id: str, reservation: Reservation, format_thread: FormatThread,
+                 builder: ResponseBuilder, request_id: str, reservation: Reservation, format_thread: FormatThread,
                  echo: Echo | None = None):
-        self.prompts, self.params, self.fmt, self.request_id, self.echo = prompts, params, fmt, request_id, echo
+        self.prompts, self.params, self.builder, self.request_id, self.echo = prompts, params, builder, request_id, echo
         self._engine_loop = engine_loop
         self._reservation = reservation
         decodes = params.logprobs is not None or params.prompt_logprobs is not None
         self._format_thread = format_thread if decodes else None
-        self._prompt_index = {f"{fmt.id}-{p}": p for p in range(len(prompts))}
+        self._prompt_index = {f"{builder.id}-{p}": p for p in range(len(prompts))}
         self._unfinished: set[str] = set()
         self._outputs: asyncio.Queue = asyncio.Queue()
         self._latest: dict[int, RequestOutput] = {}
@@ -107,12 +108,12 @@ class Generation:
                 self._prompt_logprobs[prompt] = item.prompt_logprobs
             yield prompt, item
 
-    def usage(self) -> dict:
+    def usage(self) -> Usage:
         generated = 0 if self._prompt_only else sum(len(o.token_ids) for out in self._latest.values()
                                                     for o in out.outputs)
         # a prompt's cache hit is its first completion's (the others share that completion's blocks)
         cached = sum(out.outputs[0].metrics.get("cached_prompt_tokens", 0) for out in self._latest.values())
-        return usage(sum(map(len, self.prompts)), generated, cached)
+        return Usage.of(sum(map(len, self.prompts)), generated, cached)
 
     async def response(self) -> JSONResponse:
         async for _ in self.outputs():
@@ -128,15 +129,15 @@ class Generation:
         for p, out in sorted(self._latest.items()):
             for o in out.outputs:
                 text, logprobs = self._shown(p, o.text, o.logprobs, first=True)
-                choice = self.fmt.choice(p * n + o.index, text, logprobs, o.finish_reason, o.stop_reason,
-                                         text_offset=0, streaming=False)
-                if self.fmt.object == "text_completion":  # vLLM's place for completions: each choice
+                choice = self.builder.choice(p * n + o.index, text, logprobs, o.finish_reason, o.stop_reason,
+                                             text_offset=0, streaming=False)
+                if self.builder.prompt_logprobs_in_choices:
                     self._with_prompt_logprobs(p, choice)
                 choices.append(choice)
-        response = self.fmt.response(choices, self.usage())
-        if self.fmt.object != "text_completion":  # chat: vLLM's is the response's (one prompt)
+        response = self.builder.response(choices, self.usage())
+        if not self.builder.prompt_logprobs_in_choices:  # chat: one prompt
             self._with_prompt_logprobs(0, response)
-        return JSONResponse(response)  # rendered here, off the event loop when formatted off it
+        return JSONResponse(response.body())  # rendered here, off the event loop when formatted off it
 
     @property
     def _prompt_only(self) -> bool:
@@ -156,11 +157,10 @@ class Generation:
             logprobs = prompt + logprobs
         return self.echo.texts[p] + text, logprobs
 
-    def _with_prompt_logprobs(self, p: int, body: dict) -> dict:
+    def _with_prompt_logprobs(self, p: int, body: ResponseBody) -> None:
         """vLLM's prompt_logprobs of prompt p in `body` (a choice, or a chat response), when asked for."""
         if self.params.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self.fmt.prompt_logprobs(self._prompt_logprobs.get(p, []))
-        return body
+            body.prompt_logprobs = self.builder.prompt_logprobs(self._prompt_logprobs.get(p, []))
 
     async def events(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
         """SSE lines: a chunk per choice that advanced, [usage chunk], data: [DONE]. With
@@ -168,16 +168,16 @@ class Generation:
         as vLLM's continuous_usage_stats."""
         stream = _Stream()
         try:
-            opening = self.fmt.opening_choices(len(self.prompts) * self.params.n)
+            opening = self.builder.opening_choices(len(self.prompts) * self.params.n)
             if opening:
-                so_far = usage(sum(map(len, self.prompts)), 0) if continuous_usage else None
-                yield _sse(self.fmt.chunk(opening, so_far, include_usage=include_usage))
+                so_far = Usage.of(sum(map(len, self.prompts)), 0) if continuous_usage else None
+                yield _sse(self.builder.chunk(opening, so_far, include_usage=include_usage).body())
             async for p, out in self.outputs():
                 events = await self._formatted(self._stream_events, stream, p, out, include_usage, continuous_usage)
                 if events:
                     yield events
             if include_usage:
-                yield _sse(self.fmt.chunk([], self.usage(), include_usage=True))
+                yield _sse(self.builder.chunk([], self.usage(), include_usage=True).body())
         except RequestFailed:
             yield _sse(error_body(500, internal_message(self.request_id)))
         yield "data: [DONE]\n\n"
@@ -185,7 +185,7 @@ class Generation:
     def _stream_events(self, stream: _Stream, p: int, out: RequestOutput, include_usage: bool,
                        continuous_usage: bool) -> str:
         """The SSE events of prompt p's latest output: a chunk per choice that advanced."""
-        fmt, n = self.fmt, self.params.n
+        builder, n = self.builder, self.params.n
         events = []
         for o in out.outputs:
             index = p * n + o.index
@@ -194,16 +194,16 @@ class Generation:
             first = index not in stream.started
             stream.started.add(index)
             text, logprobs = self._shown(p, o.delta_text, o.delta_logprobs, first)
-            choice = fmt.choice(index, text, logprobs, o.finish_reason, o.stop_reason,
-                                text_offset=stream.sent_text[index], streaming=True)
+            choice = builder.choice(index, text, logprobs, o.finish_reason, o.stop_reason,
+                                    text_offset=stream.sent_text[index], streaming=True)
             if first:
                 self._with_prompt_logprobs(p, choice)
             stream.sent_text[index] += len(text)
             stream.generated[index] += 0 if self._prompt_only else len(o.delta_token_ids)
             if o.finish_reason is not None:
                 stream.finished.add(index)
-            so_far = usage(len(self.prompts[p]), stream.generated[index]) if continuous_usage else None
-            events.append(_sse(fmt.chunk([choice], so_far, include_usage=include_usage)))
+            so_far = Usage.of(len(self.prompts[p]), stream.generated[index]) if continuous_usage else None
+            events.append(_sse(builder.chunk([choice], so_far, include_usage=include_usage).body()))
         return "".join(events)
 
 

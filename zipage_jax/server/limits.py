@@ -14,11 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from zipage_jax.config import option
 from zipage_jax.server.errors import OpenAIError
 from zipage_jax.server.protocol import (
-    LIMIT_FLAG, MESSAGES_BOUND, MESSAGES_FLAG, PROMPTS_FLAG, STOP_CHARS_FLAG, STOP_STRINGS_FLAG, ChatMessage,
-    CompletionRequest, SamplingFields)
-
+    LIMIT_FLAG,
+    MESSAGES_BOUND,
+    MESSAGES_FLAG,
+    PROMPTS_FLAG,
+    STOP_CHARS_FLAG,
+    STOP_STRINGS_FLAG,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
 
 CHAT_BYTES_FLAG = "--max-chat-bytes"
 MESSAGE_OVERHEAD_BYTES = 32  # what a template adds around each message (role, delimiters), roughly
@@ -28,19 +36,33 @@ DEFAULT_MAX_CHAT_BYTES = 2 * 2**20
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """None: unbounded."""
+    """None: unbounded. A count over its bound is answered 400."""
 
-    max_prompts: int | None = None  # prompts in one /v1/completions request
-    max_stop_strings: int | None = None
-    max_stop_chars: int | None = None  # characters of one stop string
-    max_chat_messages: int | None = DEFAULT_MAX_CHAT_MESSAGES
-    max_chat_bytes: int | None = DEFAULT_MAX_CHAT_BYTES  # text of a chat's messages, see chat_bytes
+    max_prompts: int | None = option(
+        None, flag=PROMPTS_FLAG, metavar="N",
+        doc="the most prompts in one /v1/completions request (without a bound, any number are queued under "
+            "--max-num-seqs); more is answered 400; default: unbounded")
+    max_stop_strings: int | None = option(
+        None, flag=STOP_STRINGS_FLAG, metavar="N",
+        doc="the most stop strings in one request (each costs the stop checker work per generated token: bound it "
+            "when clients are not trusted); more is answered 400; default: unbounded")
+    max_stop_chars: int | None = option(
+        None, flag=STOP_CHARS_FLAG, metavar="N",
+        doc="the most characters in one stop string; more is answered 400; default: unbounded")
+    max_chat_messages: int | None = option(
+        DEFAULT_MAX_CHAT_MESSAGES, flag=MESSAGES_FLAG, metavar="N",
+        doc="the most messages in one chat request (and in /tokenize's chat form); more is answered 400")
+    max_chat_bytes: int | None = option(
+        DEFAULT_MAX_CHAT_BYTES, flag=CHAT_BYTES_FLAG, metavar="N",
+        doc="the most bytes of text in one chat request's messages (and in /tokenize's chat form): every string "
+            f"field of every message, plus {MESSAGE_OVERHEAD_BYTES} per message, counted before the template "
+            "renders them; more is answered 400")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None and value < 1:
-                raise ValueError(f"{FLAGS[f.name]} must be >= 1, got {value}")
+                raise ValueError(f"{f.metadata['flag']} must be >= 1, got {value}")
 
     def check(self, body: SamplingFields) -> None:
         """OpenAIError 400 for a count of `body` over its bound."""
@@ -64,16 +86,11 @@ class RequestLimits:
 
     def document(self, schemas: dict[str, Any]) -> None:
         """Adds maxItems / maxLength to every schema marked with a flag that has a bound."""
-        bounds = {flag: getattr(self, name) for name, flag in FLAGS.items()}
+        bounds = {f.metadata["flag"]: getattr(self, f.name) for f in fields(self)}
         for node in _nodes(schemas):
             bound = bounds.get(node.get(LIMIT_FLAG))
             if bound is not None:
                 node["maxItems" if node.get("type") == "array" else "maxLength"] = bound
-
-
-FLAGS = {"max_prompts": PROMPTS_FLAG, "max_stop_strings": STOP_STRINGS_FLAG, "max_stop_chars": STOP_CHARS_FLAG,
-         "max_chat_messages": MESSAGES_FLAG,
-         "max_chat_bytes": CHAT_BYTES_FLAG}  # RequestLimits field -> the server flag that sets it
 
 
 def chat_bytes(messages: list[ChatMessage]) -> int:

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from zipage_jax.engine.stats import EngineStats
 from zipage_jax.engine.outputs import RequestOutput
+from zipage_jax.engine.stats import EngineStats
 
 # vLLM's buckets
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

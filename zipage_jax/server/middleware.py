@@ -114,5 +114,5 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 async def _end_body(send: Send) -> None:
     try:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-    except Exception:  # the connection is gone
+    except Exception:  # noqa: BLE001 - the connection is gone
         pass

@@ -1,191 +1,24 @@
-"""What the OpenAPI document (/openapi.json) says: response bodies, every status a route
-answers, the error schema, the media types; the request bodies, which the routes parse
-themselves (off the event loop), are added to it here. tests/test_server_openapi.py fuzzes
-the server against this document.
-
-The response models only describe: formats.py builds the bodies.
+"""What the OpenAPI document (/openapi.json) says beyond the routes' response models
+(responses.py): every status a route answers, the error schema, the media types, the stream
+events; the request bodies, which the routes parse themselves (off the event loop), are added
+to it here. tests/server/test_server_openapi.py fuzzes the server against this document.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from zipage_jax.server.auth import requires_key
 from zipage_jax.server.errors import REQUEST_ID_HEADER
 from zipage_jax.server.limits import RequestLimits
+from zipage_jax.server.responses import ChatCompletionChunk, CompletionChunk, ErrorResponse
 
 _REF = "#/components/schemas/{model}"
-
-
-class _Closed(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ErrorDetail(_Closed):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(_Closed):
-    error: ErrorDetail
-
-
-class Health(_Closed):
-    status: Literal["ok"]
-
-
-class ModelCard(_Closed):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    max_model_len: int | None
-
-
-class ModelList(_Closed):
-    object: Literal["list"]
-    data: list[ModelCard]
-
-
-class PromptTokensDetails(_Closed):
-    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
-
-
-class Usage(_Closed):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None  # absent from continuous_usage_stats chunks
-
-
-FinishReason = Literal["stop", "length"]
-StopReason = str | int | None  # the stop string or stop token id that ended the choice
-
-
-class CompletionLogprobs(_Closed):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(_Closed):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: FinishReason
-    stop_reason: StopReason
-
-
-class Completion(_Closed):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-
-
-class TokenLogprob(_Closed):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TokenLogprob):
-    top_logprobs: list[TokenLogprob]
-
-
-class ChatLogprobs(_Closed):
-    content: list[ChatTokenLogprob]
-
-
-class AssistantMessage(_Closed):
-    role: Literal["assistant"]
-    content: str
-
-
-class ChatChoice(_Closed):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
-    stop_reason: StopReason
-
-
-class ChatCompletion(_Closed):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-# Stream chunks: `usage` only with stream_options.include_usage (null but in the last chunk,
-# which has no choices, unless continuous_usage_stats); a choice's finish_reason is null until
-# its last chunk.
-class CompletionChunkChoice(_Closed):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: FinishReason | None
-    stop_reason: StopReason
-
-
-class CompletionChunk(_Closed):
-    id: str
-    object: Literal["text_completion"]
-    created: int
-    model: str
-    choices: list[CompletionChunkChoice]
-    usage: Usage | None = None
-
-
-class ChatDelta(_Closed):
-    role: Literal["assistant"] | None = None  # in the opening chunk
-    content: str | None = None
-
-
-class ChatChunkChoice(_Closed):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
-    stop_reason: StopReason = None  # absent from the opening chunk
-
-
-class ChatCompletionChunk(_Closed):
-    id: str
-    object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class Tokenized(_Closed):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None
-
-
-class Detokenized(_Closed):
-    prompt: str
-
-
-class Version(_Closed):
-    version: str
-
-
 _ERRORS = {
     400: "Malformed JSON, a missing, mistyped, unknown or out-of-range field, text that is not valid Unicode, "
          "or a prompt too long for the context.",

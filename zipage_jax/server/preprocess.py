@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, RootModel, ValidationError
 
 from zipage_jax.chat import chat_prompt_ids, chat_prompt_text
+from zipage_jax.engine.admission import check_prompt_length
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.server.errors import OpenAIError, validation_error
 from zipage_jax.server.limits import RequestLimits
@@ -100,12 +101,12 @@ class Preprocessor:
         self._limits.check_chat_bytes(body.messages)
         messages = [m.as_template_input() for m in body.messages]
         tokenizer = self._refuse_if_too_long(sum(len(m["content"].encode()) for m in messages), max_model_len,
-                                             "the messages have", "messages")
+                                             "messages")
         try:
             ids = chat_prompt_ids(tokenizer, messages, max_length=max_model_len, tools=template_tools(body.tools))
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="messages") from exc
-        _refuse_if_full(ids, max_model_len, "the messages have", "messages")
+        _refuse_unless_fits(len(ids), max_model_len, "messages")  # ids stop at max_model_len
         return ids
 
     def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> tuple[list[int], list[str] | None]:
@@ -136,17 +137,16 @@ class Preprocessor:
         return tokenizer.decode(token_ids)
 
     def _tokenize(self, text: str, max_model_len: int) -> list[int]:
-        tokenizer = self._refuse_if_too_long(len(text.encode()), max_model_len, "the prompt has", "prompt")
+        tokenizer = self._refuse_if_too_long(len(text.encode()), max_model_len, "prompt")
         ids = list(tokenizer(text, truncation=True, max_length=max_model_len)["input_ids"])
-        _refuse_if_full(ids, max_model_len, "the prompt has", "prompt")
+        _refuse_unless_fits(len(ids), max_model_len, "prompt")  # ids stop at max_model_len
         return ids
 
-    def _refuse_if_too_long(self, num_bytes: int, max_model_len: int, subject: str, param: str) -> Any:
-        """This thread's tokenizer, unless `num_bytes` of text surely exceed the context (400)."""
+    def _refuse_if_too_long(self, num_bytes: int, max_model_len: int, param: str) -> Any:
+        """This thread's tokenizer, unless `num_bytes` of text surely leave no room in the context (400)."""
         tokenizer, per_token = self._tokenizer()
-        if per_token is not None and num_bytes > max_model_len * per_token:
-            raise OpenAIError(400, f"{subject} at least {-(-num_bytes // per_token)} tokens but this model's "
-                              f"maximum context length is {max_model_len} tokens", param=param)
+        if per_token is not None:
+            _refuse_unless_fits(-(-num_bytes // per_token), max_model_len, param)
         return tokenizer
 
     def _tokenizer(self) -> tuple[Any, int | None]:
@@ -158,11 +158,12 @@ class Preprocessor:
         return local.tokenizer, self._bytes_per_token
 
 
-def _refuse_if_full(ids: list[int], max_model_len: int, subject: str, param: str) -> None:
-    """400 if `ids`, tokenized up to max_model_len, fill the context (no token left to generate)."""
-    if len(ids) >= max_model_len:
-        raise OpenAIError(400, f"{subject} at least {max_model_len} tokens but this model's maximum context length "
-                          f"is {max_model_len} tokens (at least one token must be generated)", param=param)
+def _refuse_unless_fits(num_tokens: int, max_model_len: int, param: str) -> None:
+    """OpenAIError 400 naming `param` if a prompt of at least `num_tokens` tokens leaves none to generate."""
+    try:
+        check_prompt_length(num_tokens, max_model_len, at_least=True)
+    except ValueError as exc:
+        raise OpenAIError.bad_request(exc, {"prompt": param}) from exc
 
 
 def bytes_per_token(tokenizer: Any) -> int | None:

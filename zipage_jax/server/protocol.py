@@ -13,12 +13,30 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
-    AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, RootModel, Tag, ValidationInfo,
-    model_validator)
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    RootModel,
+    Tag,
+    ValidationInfo,
+    model_validator,
+)
 
 from zipage_jax.sampling_params import (
-    EVICTION_POLICIES, FLOAT32_MAX, INT32_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS, SEED_MAX, SEED_MIN,
-    SamplingParams, check_text)
+    EVICTION_POLICIES,
+    FLOAT32_MAX,
+    INT32_MAX,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+    check_text,
+)
 
 LIMIT_FLAG = "x-limit-flag"  # OpenAPI extension: the server flag that bounds this array or string
 PROMPTS_FLAG = "--max-prompts-per-request"
@@ -204,7 +222,8 @@ Prompt = _one_of("a string, a list of strings, a list of token ids or a list of 
                                                             json_schema_extra=_bounded_by(PROMPTS_FLAG))],
                 token_ids=Annotated[list[TokenId], Field(min_length=1, fail_fast=True)],
                 token_id_lists=Annotated[list[Annotated[list[TokenId], Field(min_length=1, fail_fast=True)]],
-                                         Field(min_length=1, fail_fast=True, json_schema_extra=_bounded_by(PROMPTS_FLAG))])
+                                         Field(min_length=1, fail_fast=True,
+                                               json_schema_extra=_bounded_by(PROMPTS_FLAG))])
 
 
 class CompletionRequest(SamplingFields):
@@ -273,7 +292,8 @@ def _within_server_bound(messages: Any, info: ValidationInfo) -> Any:
     return messages
 
 
-Messages = Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True, json_schema_extra=_bounded_by(MESSAGES_FLAG)),
+Messages = Annotated[list[ChatMessage],
+                     Field(min_length=1, fail_fast=True, json_schema_extra=_bounded_by(MESSAGES_FLAG)),
                      BeforeValidator(_within_server_bound)]
 
 

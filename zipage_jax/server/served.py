@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from zipage_jax.server.errors import OpenAIError
+from zipage_jax.server.responses import ModelCard
 
 
 class ServedModels:
@@ -21,7 +22,7 @@ class ServedModels:
             raise OpenAIError(404, f"The model `{name[:100]}` does not exist. Served: {', '.join(self.names)}.",
                               param="model", code="model_not_found")
 
-    def card(self, name: str, max_model_len: int | None) -> dict:
+    def card(self, name: str, max_model_len: int | None) -> ModelCard:
         """The model object of /v1/models; max_model_len is None while the model loads."""
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "zipage-jax",
-                "max_model_len": max_model_len}
+        return ModelCard(id=name, object="model", created=self.created, owned_by="zipage-jax",
+                         max_model_len=max_model_len)

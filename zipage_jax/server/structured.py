@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from zipage_jax.sampling_params import StructuredOutputsParams
 from zipage_jax.server.errors import OpenAIError
-from zipage_jax.server.protocol import ResponseFormat, StructuredOutputs, Tool, ToolChoice
+from zipage_jax.server.protocol import FunctionCall, ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolChoice
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _parameters(tool: Tool) -> dict:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def tool_calls(text: str, tool_choice: ToolChoice) -> list[dict] | None:
+def tool_calls(text: str, tool_choice: ToolChoice) -> list[ToolCall] | None:
     """OpenAI's tool_calls for a completion the tool grammar produced (None if it is not JSON:
     the output was cut short by max_tokens)."""
     try:
@@ -117,8 +117,8 @@ def tool_calls(text: str, tool_choice: ToolChoice) -> list[dict] | None:
         calls = [(call["name"], call["parameters"]) for call in value]
     else:
         calls = [(tool_choice.function.name, value)]
-    return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments)}} for name, arguments in calls]
+    return [ToolCall(id=f"call_{secrets.token_hex(12)}", type="function",
+                     function=FunctionCall(name=name, arguments=json.dumps(arguments))) for name, arguments in calls]
 
 
 def template_tools(tools: list[Tool] | None) -> list[dict] | None:

@@ -1,4 +1,4 @@
-"""Admission: a bound on the engine requests waiting, so that a burst of clients is told to come
+"""QueueCapacity: a bound on the engine requests waiting, so that a burst of clients is told to come
 back (503 with Retry-After) instead of queueing without end.
 
 A generation request reserves its sequences (prompts x n) when it is admitted, before it is
@@ -17,7 +17,7 @@ DEFAULT_MAX_QUEUED_REQUESTS = 1024
 RETRY_AFTER_S = 1
 
 
-class Admission:
+class QueueCapacity:
     def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED_REQUESTS, on_refused: Callable[[], None] = lambda: None):
         """`on_refused()` runs for each request refused because the queue is full."""
         if max_queued < 1:
@@ -43,14 +43,14 @@ class Reservation:
     """A request's place in the queue. As a context manager it is released if the block raises
     (the request never started); otherwise whoever runs the request releases it."""
 
-    def __init__(self, admission: Admission, count: int):
-        self._admission = admission
+    def __init__(self, capacity: QueueCapacity, count: int):
+        self._capacity = capacity
         self._held = count
 
     def release(self, count: int) -> None:
         count = min(count, self._held)
         self._held -= count
-        self._admission.queued -= count
+        self._capacity.queued -= count
 
     def release_all(self) -> None:
         self.release(self._held)

@@ -1,0 +1,1 @@
+"""The console script's own subcommands (zipage_jax/cli.py): generate and serve."""

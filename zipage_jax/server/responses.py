@@ -1,0 +1,220 @@
+"""Response bodies: each is built as one of these models and sent as its `body()`, and the same
+model documents it in /openapi.json (openapi.py).
+
+A body holds exactly the fields given when it was built, in the order they are declared here:
+a field without a default is always on the wire (null where its type allows), a field with a
+default only when given (OpenAI's optional fields: usage details, a chat delta's role, vLLM's
+prompt_logprobs), which is also what the document says.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from zipage_jax.server.protocol import FunctionCall, ToolCall
+
+
+class ResponseBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def body(self) -> dict[str, Any]:
+        """The JSON object sent: the fields given, in declaration order."""
+        return self.model_dump(exclude_unset=True)
+
+
+class ErrorDetail(ResponseBody):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(ResponseBody):
+    error: ErrorDetail
+
+
+class Health(ResponseBody):
+    status: Literal["ok"]
+
+
+class ModelCard(ResponseBody):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None  # None while the model loads
+
+
+class ModelList(ResponseBody):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Version(ResponseBody):
+    version: str
+
+
+class Tokenized(ResponseBody):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class Detokenized(ResponseBody):
+    prompt: str
+
+
+class PromptTokensDetails(ResponseBody):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
+class Usage(ResponseBody):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None  # absent from continuous_usage_stats chunks
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+        """OpenAI's usage; `cached_tokens`: prompt tokens found in the prefix cache (else no details)."""
+        details = {} if cached_tokens is None else {"prompt_tokens_details": PromptTokensDetails(
+            cached_tokens=cached_tokens)}
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens, **details)
+
+
+FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
+StopReason = str | int | None  # the stop string or stop token id that ended the choice
+
+
+class PromptLogprob(ResponseBody):
+    """vLLM's entry for a prompt token or one of its top alternatives."""
+
+    logprob: float
+    rank: int | None  # among the alternatives, 1 the likeliest; None: the prompt token, below them
+    decoded_token: str
+
+
+# per prompt token, None for the first (nothing predicts it), else by token id
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class CompletionLogprobs(ResponseBody):
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(ResponseBody):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason
+    stop_reason: StopReason
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM)
+
+
+class Completion(ResponseBody):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(ResponseBody):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatCompletionTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(ResponseBody):
+    content: list[ChatCompletionTokenLogprob]
+
+
+class AssistantMessage(ResponseBody):
+    role: Literal["assistant"]
+    content: str | None  # None when the message is tool calls
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(ResponseBody):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: ChatFinishReason
+    stop_reason: StopReason
+
+
+class ChatCompletion(ResponseBody):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's prompt_logprobs (vLLM)
+
+
+# Stream chunks: `usage` only with stream_options.include_usage (null but in the last chunk,
+# which has no choices, unless continuous_usage_stats); a choice's finish_reason is null until
+# its last chunk, and its first chunk carries prompt_logprobs when asked for.
+class CompletionChunkChoice(ResponseBody):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: StopReason
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class CompletionChunk(ResponseBody):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ToolCallDelta(ResponseBody):
+    """A tool call in a stream: sent whole, in its choice's last delta."""
+
+    index: int
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatDelta(ResponseBody):
+    role: Literal["assistant"] | None = None  # in the opening chunk
+    content: str | None = None  # None beside tool calls
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(ResponseBody):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: ChatFinishReason | None
+    stop_reason: StopReason = None  # absent from the opening chunk
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+class ChatCompletionChunk(ResponseBody):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None

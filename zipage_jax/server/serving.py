@@ -1,0 +1,137 @@
+"""OpenAIServing: what the endpoint families (serving_*.py) share: the parts of the server, the
+engine once it can serve, a generation request's admission, and the steps from a started
+Generation to its response."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from zipage_jax.engine.admission import check_prompt_length
+from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.sampling_params import MAX_N, SamplingParams
+from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
+from zipage_jax.server.errors import OpenAIError
+from zipage_jax.server.format_thread import FormatThread
+from zipage_jax.server.generation import EventStream, Generation, until_disconnected
+from zipage_jax.server.limits import RequestLimits
+from zipage_jax.server.metrics import ServerMetrics
+from zipage_jax.server.preprocess import Preprocessor
+from zipage_jax.server.protocol import SamplingFields
+from zipage_jax.server.queue_capacity import QueueCapacity
+from zipage_jax.server.served import ServedModels
+from zipage_jax.server.structured import Grammar
+
+CLIENT_CLOSED = 499
+
+
+class OpenAIServing:
+    def __init__(self, engine_factory: Callable[[], LLMEngine], served: ServedModels, limits: RequestLimits,
+                 max_n: int, max_queued_requests: int, on_load_error: Callable[[BaseException], None] | None,
+                 on_engine_error: Callable[[BaseException], None] | None, warmup: bool):
+        """Raises ValueError for a bad value (see create_app)."""
+        if not 1 <= max_n <= MAX_N:
+            raise ValueError(f"max_n must be in [1, {MAX_N}], got {max_n}")
+        self.served, self.limits, self.max_n = served, limits, max_n
+        self.metrics = ServerMetrics(served.names[0], lambda: self.engine_loop.stats,
+                                     lambda: self.engine_loop.warmup_status)
+        self.queue = QueueCapacity(max_queued_requests, on_refused=lambda: self.metrics.refused("queue_full"))
+        self.preprocessor = Preprocessor(limits)
+        self.format_thread = FormatThread()
+        self.engine_loop = EngineLoop(engine_factory, observer=self.metrics, on_load_error=on_load_error,
+                                      on_loaded=self.preprocessor.prepare, on_engine_error=on_engine_error,
+                                      warmup=warmup)
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        """The engine thread runs while the app does; the worker threads stop with it."""
+        self.engine_loop.start(asyncio.get_running_loop())
+        yield
+        self.engine_loop.stop()
+        self.preprocessor.shutdown()
+        self.format_thread.shutdown()
+
+    def ready_engine(self) -> LLMEngine:
+        """The engine, once it can serve; OpenAIError 503 while it loads, warms up or has failed."""
+        engine_loop = self.engine_loop
+        if not engine_loop.ready.is_set():
+            raise OpenAIError(503, "the model is still loading" if engine_loop.load_error is None
+                              else "the model failed to load (the server's log says why)")
+        if engine_loop.engine.failed is not None:
+            raise OpenAIError(503, "the engine failed and cannot serve (the server's log says why)")
+        status = engine_loop.warmup_status
+        if status is not None and not status.serving_ready:
+            raise OpenAIError(503, f"the server is warming up: {status.ready} of {status.total} programs ready; "
+                                   "it serves once the largest program of each kind is", code="warming_up")
+        return engine_loop.engine
+
+    def max_model_len(self) -> int | None:
+        """The engine's, None while the model loads."""
+        return self.engine_loop.engine.max_model_len if self.engine_loop.ready.is_set() else None
+
+    def admit(self, body: SamplingFields) -> LLMEngine:
+        """The engine, once the request's model, n and counts are known to be served."""
+        self.served.check(body.model)
+        if body.n is not None and body.n > self.max_n:
+            raise OpenAIError(400, f"n must be <= {self.max_n} (this server's --max-n), got {body.n}", param="n")
+        self.limits.check(body)
+        return self.ready_engine()
+
+    async def respond(self, request: Request, body: SamplingFields, generation: Generation,
+                      renames: dict[str, str] | None = None) -> Response:
+        """Starts `generation` and answers with its events (stream) or its whole response; a
+        client that disconnects first gets CLIENT_CLOSED."""
+        try:
+            await generation.start()
+        except ValueError as exc:
+            raise OpenAIError.bad_request(exc, renames) from exc
+        except Exception:  # noqa: BLE001 - the engine loop has logged it under the request id
+            raise OpenAIError.internal(generation.request_id) from None
+        if body.stream:
+            return EventStream(generation.events(body.include_usage, body.continuous_usage),
+                               on_close=generation.abort)
+        try:
+            result = await until_disconnected(request, asyncio.ensure_future(generation.response()))
+        except RequestFailed:  # logged by the engine loop
+            raise OpenAIError.internal(generation.request_id) from None
+        finally:
+            generation.abort()
+        return Response(status_code=CLIENT_CLOSED) if result is None else result
+
+
+def max_tokens(prompt_len: int, requested: int | None, limit: int, default: int,
+               renames: dict[str, str] | None = None) -> int:
+    """The completion's max_tokens: `requested`, else `default`, within the context `limit` left
+    after the prompt; OpenAIError 400 if the prompt leaves no room or `requested` does not fit."""
+    try:
+        room = check_prompt_length(prompt_len, limit)
+    except ValueError as exc:
+        raise OpenAIError.bad_request(exc, renames) from exc
+    if requested is None:
+        return min(default, room)
+    if requested > room:
+        raise OpenAIError(400, f"this model's maximum context length is {limit} tokens, but {prompt_len + requested} "
+                          f"were requested ({prompt_len} in the prompt, {requested} in the completion)",
+                          param="max_tokens")
+    return requested
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None,
+                    renames: dict[str, str] | None = None, structured_outputs: Grammar | None = None,
+                    **overrides) -> SamplingParams:
+    """The engine's parameters of the request; OpenAIError 400 naming the request's parameter."""
+    if structured_outputs is not None:
+        overrides["structured_outputs"] = structured_outputs.params
+    try:
+        return body.sampling_params(max_tokens, logprobs, **overrides)
+    except ValueError as exc:
+        raise OpenAIError.bad_request(exc, renames) from exc
+
+
+def engine_param_names(structured: Grammar | None, renames: dict[str, str] | None = None) -> dict[str, str]:
+    """Engine field -> request parameter, for the engine's errors."""
+    return {**(renames or {}), **({} if structured is None else {"structured_outputs": structured.param})}

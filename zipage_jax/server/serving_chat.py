@@ -1,0 +1,39 @@
+"""POST /v1/chat/completions: the messages rendered with the model's chat template, completed n
+times; with tools, the completions are tool calls."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from zipage_jax.server.errors import OpenAIError
+from zipage_jax.server.generation import Generation
+from zipage_jax.server.protocol import ChatCompletionRequest
+from zipage_jax.server.response_builders import ChatBuilder
+from zipage_jax.server.serving import OpenAIServing, engine_param_names, max_tokens, sampling_params
+from zipage_jax.server.structured import grammar, tool_mode
+
+_PROMPT_PARAM = {"prompt": "messages"}  # the engine's name of what the request calls messages
+
+
+async def create_chat_completion(serving: OpenAIServing, request: Request) -> Response:
+    preprocessor = serving.preprocessor
+    body = await preprocessor.body(request, ChatCompletionRequest)
+    limit = serving.admit(body).max_model_len
+    if body.top_logprobs is not None and not body.logprobs:
+        raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    with serving.queue.reserve(body.n or 1) as reservation:
+        prompt = await preprocessor.run(preprocessor.chat_prompt, body, limit)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        most = max_tokens(len(prompt), requested, limit, limit - len(prompt), _PROMPT_PARAM)
+        structured = grammar(body.response_format, body.structured_outputs, body.tools, body.tool_choice,
+                             body.parallel_tool_calls)
+        renames = engine_param_names(structured, {**_PROMPT_PARAM, "logprobs": "top_logprobs"})
+        params = sampling_params(body, most, (body.top_logprobs or 0) if body.logprobs else None, renames,
+                                 structured)
+        request_id = request.state.request_id
+        builder = ChatBuilder(body.model, serving.engine_loop.tokenizer, request_id,
+                              tool_mode(body.tools, body.tool_choice))
+        generation = Generation(serving.engine_loop, [prompt], params, builder, request_id, reservation,
+                                serving.format_thread)
+        return await serving.respond(request, body, generation, renames)
