@@ -1,15 +1,19 @@
 """Session-wide fixtures: tiny saved models (built once per session), a private cache of
-parameters and compiled programs; and after each module, its compiled programs released."""
+parameters and compiled programs; after each module, its compiled programs released; and the
+namespaces `zipage-jax bench|eval NAME ARGV` parse to, with the JSON a subcommand printed last."""
 
 from __future__ import annotations
 
+import argparse
 import gc
+import json
 from pathlib import Path
 
 import jax
 import pytest
-
 from tiny_models import ARCHS, save_tiny_model
+
+from zipage_jax.cli import build_parser
 
 
 @pytest.fixture(scope="session")
@@ -69,3 +73,26 @@ def llama_dir(tiny_model_factory, model_cache_dir) -> str:
     mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
     yield str(tiny_model_factory("llama"))
     mp.undo()
+
+
+def _cli_namespace(*words: str) -> argparse.Namespace:
+    """The namespace `zipage-jax WORDS...` parses to: what the CLI hands a subcommand's run()."""
+    return build_parser(list(words))[0].parse_args(list(words))
+
+
+@pytest.fixture(scope="session")
+def bench_args():
+    """bench_args(name, *argv): the namespace of `zipage-jax bench NAME ARGV`."""
+    return lambda name, *argv: _cli_namespace("bench", name, *argv)
+
+
+@pytest.fixture(scope="session")
+def eval_args():
+    """eval_args(name, *argv): the namespace of `zipage-jax eval NAME ARGV`."""
+    return lambda name, *argv: _cli_namespace("eval", name, *argv)
+
+
+@pytest.fixture
+def last_json(capsys):
+    """last_json(): the JSON object on the last line printed to stdout so far."""
+    return lambda: json.loads(capsys.readouterr().out.strip().splitlines()[-1])

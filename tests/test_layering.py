@@ -21,14 +21,17 @@ LAYERS = [
     ("compress", ["zipage_jax.compress"]),
     ("options", ["zipage_jax.config", "zipage_jax.sampling_params"]),
     ("engine", ["zipage_jax.engine"]),
-    ("api", ["zipage_jax.llm", "zipage_jax.chat", "zipage_jax.cli_options", "zipage_jax.__main__",
-             "zipage_jax.crosscheck", "zipage_jax"]),
+    ("api", ["zipage_jax.llm", "zipage_jax.chat", "zipage_jax.cli_options", "zipage_jax.crosscheck", "zipage_jax"]),
     ("server", ["zipage_jax.server"]),
-    ("evals", ["zipage_jax.evals"]),  # task evaluations: the public API and the policy registry
+    # benchmarks and evaluations: the public API; they may share each other's modules (bench.common, evals.datasets)
+    ("tools", ["zipage_jax.bench", "zipage_jax.evals"]),
+    ("commands", ["zipage_jax.cli", "zipage_jax.__main__", "zipage_jax.commands", "zipage_jax.crosscheck.__main__"]),
 ]
 # What the server may use of the engine: its public API, not the scheduler, runner or kernels.
-SERVER_MAY_IMPORT = ("zipage_jax.engine.llm_engine", "zipage_jax.engine.outputs", "zipage_jax.engine.stats")
-HOST_ONLY = ["zipage_jax.engine.sequence", "zipage_jax.engine.block_manager", "zipage_jax.engine.scheduler"]
+SERVER_MAY_IMPORT = ("zipage_jax.engine.llm_engine", "zipage_jax.engine.outputs", "zipage_jax.engine.stats",
+                     "zipage_jax.engine.admission")
+HOST_ONLY = ["zipage_jax.engine.sequence", "zipage_jax.engine.block_manager", "zipage_jax.engine.scheduler",
+             "zipage_jax.engine.runner.results"]
 
 
 def layer_of(module: str) -> int | None:

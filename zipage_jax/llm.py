@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from zipage_jax.chat import chat_prompt_ids
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.engine.outputs import RequestOutput
+from zipage_jax.models.loading import LoadedModel
 from zipage_jax.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -16,8 +17,10 @@ Message = dict[str, str]
 
 
 class LLM:
-    def __init__(self, model: str = "default", **options):
-        self.engine = LLMEngine(model=model, **options)
+    def __init__(self, model: str = "default", *, loaded: LoadedModel | None = None, **options):
+        """`loaded`: a model already loaded (models/loading.py), shared between engines; `model` then
+        only names it."""
+        self.engine = LLMEngine(loaded=loaded, model=model, **options)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]

@@ -14,6 +14,7 @@ from zipage_jax.compress.config import CompressionConfig
 from zipage_jax.compress.policies import POLICIES, CompressRows, KVBudget, compress_rows, resolve_budget
 from zipage_jax.compress.scoring import score_layer
 
+
 def scoring(**options) -> CompressionConfig:
     """The engine's scoring options, the global score off unless asked for (the reference's default)."""
     return CompressionConfig(**{"use_global_score": False, **options})

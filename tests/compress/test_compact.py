@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compress_cases import NUM_KV_HEADS, CaseConfig, compress_args, make_case, scoring
 
-from compact_cases import PATTERNS, compaction_case, num_pool_blocks
-from compress_cases import CaseConfig, scoring, NUM_KV_HEADS, compress_args, make_case
 from pallas_kernels import kv_quant
 from pallas_kernels.compact import _chunk_rows, compact, compact_reference
 from pallas_kernels.kv_pool import KVPool
+from zipage_jax.bench.compact_cases import PATTERNS, compaction_case, num_pool_blocks
 from zipage_jax.compress.step import compress, compress_layer
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
@@ -163,7 +163,8 @@ def _pool(layers: dict, i: int) -> KVPool:
 
 
 def test_compress_step_donated_backends_agree():
-    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=8, scoring=scoring(use_global_score=True, enable_pooling=True, redundancy="lightning"))
+    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=8,
+                     scoring=scoring(use_global_score=True, enable_pooling=True, redundancy="lightning"))
     case = make_case(5, cfg, 2)
     layers = _layers(case, 5)
     _, queries, *batch, rows, compression = compress_args(case, cfg)

@@ -5,8 +5,17 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from compress_cases import (
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    CaseConfig,
+    compress_args,
+    make_case,
+    score_case,
+    scoring,
+    spec_scores,
+)
 
-from compress_cases import HEAD_DIM, NUM_KV_HEADS, CaseConfig, scoring, compress_args, make_case, score_case, spec_scores
 from zipage_jax.compress.step import compress
 from zipage_jax.config import EngineConfig
 
@@ -14,11 +23,16 @@ TOL = 1e-5
 
 CASES = {  # (config, query heads per kv head)
     "window": (CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, eviction_policy="window"), 2),
-    "window_global_pool_sinks": (CaseConfig(budget_blocks=3, block_size=16, query_cache_len=8, sink_len=2, recent_fraction=0.25, eviction_policy="window", scoring=scoring(use_global_score=True, enable_pooling=True)), 3),
-    "window_lightning": (CaseConfig(budget_blocks=2, block_size=32, query_cache_len=8, recent_fraction=0.0, eviction_policy="window", scoring=scoring(redundancy="lightning")), 1),
+    "window_global_pool_sinks": (CaseConfig(
+        budget_blocks=3, block_size=16, query_cache_len=8, sink_len=2, recent_fraction=0.25, eviction_policy="window",
+        scoring=scoring(use_global_score=True, enable_pooling=True)), 3),
+    "window_lightning": (CaseConfig(
+        budget_blocks=2, block_size=32, query_cache_len=8, recent_fraction=0.0, eviction_policy="window",
+        scoring=scoring(redundancy="lightning")), 1),
     "vnorm_window": (CaseConfig(
         budget_blocks=2, block_size=16, query_cache_len=8, recent_fraction=0.3, eviction_policy="vnorm-window"), 2),
-    "rkv": (CaseConfig(budget_blocks=2, block_size=16, query_cache_len=8, recent_fraction=0.25, eviction_policy="rkv"), 2),
+    "rkv": (CaseConfig(
+        budget_blocks=2, block_size=16, query_cache_len=8, recent_fraction=0.25, eviction_policy="rkv"), 2),
     "rkv_global": (CaseConfig(budget_blocks=3, block_size=16, query_cache_len=4, recent_fraction=0.5,
                               eviction_policy="rkv", scoring=scoring(use_global_score=True)), 1),
     "triattention": (CaseConfig(
@@ -138,7 +152,8 @@ def test_window_keeps_the_recent_share_of_the_budget():
 
 @pytest.mark.parametrize("policy", ["window", "vnorm-window", "rkv", "triattention"])
 def test_compress_pallas_matches_xla(policy):
-    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, eviction_policy=policy, scoring=scoring(use_global_score=True, enable_pooling=True))
+    cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, eviction_policy=policy,
+                     scoring=scoring(use_global_score=True, enable_pooling=True))
     case = make_case(7, cfg, 2)
     args = compress_args(case, cfg)
     xla = compress(*args, backend="xla")

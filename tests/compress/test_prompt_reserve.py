@@ -5,11 +5,18 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from compress_cases import NUM_KV_HEADS, CaseConfig, compress_args, make_case, scoring
+
 from pallas_kernels.kv_pool import KVPool
-from zipage_jax.compress.policies import POLICIES, Policy, PolicyOptions, RowSequence, Score, compress_rows, \
-    resolve_budget
+from zipage_jax.compress.policies import (
+    POLICIES,
+    Policy,
+    PolicyOptions,
+    RowSequence,
+    Score,
+    compress_rows,
+    resolve_budget,
+)
 from zipage_jax.compress.scoring import prompt_reserve, token_positions
 from zipage_jax.compress.step import compress_layer
 

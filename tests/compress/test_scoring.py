@@ -1,16 +1,13 @@
 """Scoring and selection: jnp vs a numpy loop version of the spec, Pallas vs jnp."""
 
-import functools
 import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compress_cases import NUM_KV_HEADS, CaseConfig, make_case, score_case, scoring, spec_scores
 
-from compress_cases import CaseConfig, scoring, NUM_KV_HEADS, make_case, score_case, spec_scores
 from pallas_kernels.attention_score import attention_score, attention_score_reference
-from zipage_jax.compress.scoring import score_layer
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 
@@ -19,9 +16,17 @@ TOL = 1e-5
 # (config, query heads per kv head): block sizes 16/32/64, head ratios 1/3/4, QL 4/8/16/32, budgets 1..3
 CASES = {
     "attention": (CaseConfig(budget_blocks=1, block_size=16, query_cache_len=4), 1),
-    "global_maxnorm_pool_lightning": (CaseConfig(budget_blocks=2, block_size=32, query_cache_len=8, scoring=scoring(use_global_score=True, max_norm=True, enable_pooling=True, redundancy="lightning")), 3),
-    "global_contpool_raw_sinks": (CaseConfig(budget_blocks=1, block_size=64, query_cache_len=32, sink_len=3, scoring=scoring(use_global_score=True, enable_pooling=True, continues_pooling=True, pooling_size=3, redundancy="raw", redundancy_lambda=0.5)), 4),
-    "pool_raw": (CaseConfig(budget_blocks=3, block_size=16, query_cache_len=16, scoring=scoring(enable_pooling=True, redundancy="raw", redundancy_temperature=1.0, redundancy_threshold=0.3)), 4),
+    "global_maxnorm_pool_lightning": (CaseConfig(
+        budget_blocks=2, block_size=32, query_cache_len=8,
+        scoring=scoring(use_global_score=True, max_norm=True, enable_pooling=True, redundancy="lightning")), 3),
+    "global_contpool_raw_sinks": (CaseConfig(
+        budget_blocks=1, block_size=64, query_cache_len=32, sink_len=3,
+        scoring=scoring(use_global_score=True, enable_pooling=True, continues_pooling=True, pooling_size=3,
+                        redundancy="raw", redundancy_lambda=0.5)), 4),
+    "pool_raw": (CaseConfig(
+        budget_blocks=3, block_size=16, query_cache_len=16,
+        scoring=scoring(enable_pooling=True, redundancy="raw", redundancy_temperature=1.0,
+                        redundancy_threshold=0.3)), 4),
 }
 
 

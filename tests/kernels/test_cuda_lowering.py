@@ -11,8 +11,8 @@ supported dtypes); it does not compile PTX or run anything.
 import jax
 import jax.numpy as jnp
 import pytest
-
 from h200 import lower_for_h200
+
 from pallas_kernels.attention_score import attention_score
 from pallas_kernels.compact import compact
 from pallas_kernels.paged_attention import paged_decode_attention

@@ -6,9 +6,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.kv_quant import (KV_CACHE_DTYPES, check_kv_scales, dequantize, is_int4,
-                                     is_quantized, kv_storage_dtype, pool_dim, quantize, scales_dtype,
-                                     scales_shape, token_bytes)
+from pallas_kernels.kv_quant import (
+    KV_CACHE_DTYPES,
+    check_kv_scales,
+    dequantize,
+    is_int4,
+    is_quantized,
+    kv_storage_dtype,
+    pool_dim,
+    quantize,
+    scales_dtype,
+    scales_shape,
+    token_bytes,
+)
 
 F32_TINY = float(np.finfo(np.float32).tiny)
 F16_TINY = float(np.finfo(np.float16).smallest_normal)  # 2**-14

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from h200 import lower_for_h200
 from test_kv_quant import hadamard
+
 from pallas_kernels.kv_pool import KVPool
 from pallas_kernels.kv_quant import dequantize, quantize
 from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference

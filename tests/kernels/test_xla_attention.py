@@ -4,11 +4,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_paged_attention import HEAD_DIM, NUM_KV_HEADS, make_paged_kv, naive_attention, round_trip_bound
 
 from pallas_kernels import kv_quant
 from pallas_kernels.kv_pool import KVPool
 from pallas_kernels.xla_attention import NewKV, paged_attention
-from test_paged_attention import HEAD_DIM, NUM_KV_HEADS, make_paged_kv, naive_attention, round_trip_bound
 
 
 def make_chunk(seed, dtype, block_size, group, width, prefix_lens, new_lens, chunk):

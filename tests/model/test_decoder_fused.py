@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from tiny_models import hf_config
+
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.weights import decoder_from_hf, flat_params, fuse_qkv, split_qkv
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-
 from tiny_models import save_tiny_gguf
+
 from zipage_jax.crosscheck import logits as crosscheck_logits
 from zipage_jax.crosscheck.logits import compare, model_logits, transformers_logits
 from zipage_jax.models import gguf as ours
@@ -74,9 +74,8 @@ def test_gguf_unreadable_type_is_named(tmp_path):
 
 
 def test_unpermute_undoes_llama_cpp_like_transformers():
-    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
-
     from tiny_models import _llama_cpp_permute
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     w = np.arange(6 * 8 * 3, dtype=np.float32).reshape(6 * 8, 3)  # 6 heads of dim 8
     permuted = _llama_cpp_permute(w, 6)

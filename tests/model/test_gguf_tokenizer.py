@@ -7,10 +7,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from tiny_models import build_tokenizer
 from tokenizers import normalizers, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from tiny_models import build_tokenizer
 from zipage_jax.chat import chat_prompt_ids
 from zipage_jax.models import gguf as ours_gguf
 from zipage_jax.models.gguf_tokenizer import gguf_tokenizer, merges_from_scores

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
 from tiny_models import hf_config
+
 from zipage_jax.crosscheck.logits import compare, model_logits, transformers_logits
 from zipage_jax.layers.attention import causal_attention
 from zipage_jax.layers.norms import rms_norm

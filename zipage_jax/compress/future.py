@@ -38,7 +38,8 @@ def rope_inv_freq(head_dim: int, inv_freq: tuple[float, ...] = ()) -> np.ndarray
     if not inv_freq:
         return inv_frequencies(head_dim, DEFAULT_ROPE_THETA)
     if len(inv_freq) != head_dim // 2:
-        raise ValueError(f"rope inverse frequencies must have head_dim/2 = {head_dim // 2} entries, got {len(inv_freq)}")
+        raise ValueError(f"rope inverse frequencies must have head_dim/2 = {head_dim // 2} entries, "
+                         f"got {len(inv_freq)}")
     return np.asarray(inv_freq, np.float32)
 
 

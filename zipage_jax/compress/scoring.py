@@ -29,7 +29,7 @@ class ScoreStages(NamedTuple):
     attn: jax.Array  # step 1 (padding 0; 0 for rows scored by position)
     global_score: jax.Array | None  # max_norm + step 2
     pooled: jax.Array | None  # step 3
-    redundancy: jax.Array | None  # step 4 (the engine's redundancy option), softmaxed (and max-normed), before combining
+    redundancy: jax.Array | None  # step 4 (the redundancy option), softmaxed (and max-normed), before combining
     final: jax.Array  # input of top-k, with +inf / -inf
     keep: jax.Array  # bool, rows.budget per valid (seq, head), none on padding rows
 
@@ -75,7 +75,8 @@ def score_layer(
     valid = _valid(num_blocks, width, block_size)
     by_position = rows.score == Score.POSITION  # [B]
     future_rows = rows.score == Score.FUTURE
-    per_row = lambda mask: mask[:, None, None, None]
+    def per_row(mask):
+        return mask[:, None, None, None]
 
     def attention():
         if not backend.uses_pallas:
@@ -152,7 +153,8 @@ def prompt_reserve(scores: jax.Array, positions: jax.Array, valid: jax.Array, ro
     then the others, each group best-scored first. The prompt keeps them whatever the generated
     tokens score."""
     width, block_size = scores.shape[-2:]
-    as_row = lambda x: x[:, None, None, None]
+    def as_row(x):
+        return x[:, None, None, None]
     is_prompt = valid & (positions < as_row(rows.prompt_len))
     group = jnp.where(_slots(width, block_size) < as_row(rows.sinks), 2,
                       (positions >= as_row(rows.quote_end)).astype(jnp.int32))  # sinks, unquoted, quoted
@@ -183,7 +185,8 @@ def protect_and_mask(scores: jax.Array, valid: jax.Array, num_blocks: jax.Array,
     width, block_size = scores.shape[-2:]
     pos = jnp.arange(width * block_size).reshape(width, block_size)  # [W, BS]
     length = num_blocks * block_size
-    as_row = lambda x: x[:, None, None, None]
+    def as_row(x):
+        return x[:, None, None, None]
     protected = (pos < as_row(rows.sinks)) | (pos >= as_row(length - rows.recent))
     scores = jnp.where(protected, jnp.inf, scores)
     return jnp.where(valid, scores, -jnp.inf)

@@ -119,7 +119,7 @@ def check_file(path: Path, backend: Backend | str) -> dict:
 
     report: dict = {"file": str(path), "backend": backend.value, "stages": {}}
     ok = True
-    for name, field in STAGES.items():
+    for name in STAGES:
         if name not in z:
             continue
         if ours[name][0] is None:

@@ -1,1 +1,11 @@
-"""Evaluations that run through the public engine API (LLM, SamplingParams)."""
+"""Evaluations (`zipage-jax eval NAME`): each module has add_arguments(parser) and run(args) -> int,
+and runs through the public engine API; datasets.py holds every data set with its dev / held-out
+split."""
+
+SUBCOMMANDS = {
+    "quality": "perplexity of compressed KV against full KV on texts and reasoning traces",
+    "long-prompt": "pass keys and questions at the end of long prompts under a KV budget",
+    "code": "HumanEval pass@1, full KV against compressed",
+    "math": "math problems' pass@1 and throughput, full KV against compressed",
+    "int4-keys": "int4 keys' error on real activations, per channel against per token",
+}

@@ -67,7 +67,8 @@ def paged_attention_fn(inputs: StepInputs, backend: Backend,
             page = xla_page_size(pool.block_size)
             out, paged = paged_attention(q, pool.reshape_pages(page), inputs.block_tables, inputs.kv_lens, new)
             pool = paged.reshape_like(pool)
-        return out, state.replace_layer(layer, pool._replace(scores=layer_pool.scores, positions=layer_pool.positions), queries)
+        pool = pool._replace(scores=layer_pool.scores, positions=layer_pool.positions)
+        return out, state.replace_layer(layer, pool, queries)
 
     return attn
 

@@ -212,8 +212,8 @@ class DecoderStages:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, DecoderStages) and self._hash == other._hash and self.cfg == other.cfg
-                                 and (self.embed_def, self.layer_def, self.head_def)
+        return self is other or (isinstance(other, DecoderStages) and self._hash == other._hash
+                                 and self.cfg == other.cfg and (self.embed_def, self.layer_def, self.head_def)
                                  == (other.embed_def, other.layer_def, other.head_def))
 
     def embed(self, embed: list[jax.Array], input_ids: jax.Array) -> jax.Array:

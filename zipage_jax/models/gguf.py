@@ -6,8 +6,8 @@ import functools
 import re
 from pathlib import Path
 
-import numpy as np
 import gguf.quants
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 Q = GGMLQuantizationType
@@ -36,7 +36,7 @@ def readable_types() -> tuple[GGMLQuantizationType, ...]:
             gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
         except NotImplementedError:
             continue
-        except Exception:  # a type whose zero block is invalid is still one gguf-py implements
+        except Exception:  # noqa: BLE001 - a type whose zero block is invalid is still one gguf-py implements
             pass
         readable.append(qtype)
     return tuple(readable)

@@ -79,7 +79,7 @@ def load_model(model: str = "default", dtype: str | None = None, cache_dir: str 
             with _stage("wrote the converted parameters to the cache"):
                 cache.save(key, hf_config, flat_params(decoder), tokenizer)
         except OSError as exc:  # a read-only or full cache only costs the next load its speed
-            warnings.warn(f"could not cache converted parameters in {cache.root}: {exc}")
+            warnings.warn(f"could not cache converted parameters in {cache.root}: {exc}", stacklevel=2)
     return LoadedModel(cfg, decoder, tokenizer, str(source), from_cache, time.perf_counter() - start)
 
 

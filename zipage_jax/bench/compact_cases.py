@@ -1,5 +1,5 @@
 """Adversarial compaction inputs: keep patterns and block geometries (tests/compress/test_compact.py and
-scripts/bench_gpu.py, which runs them on the GPU against the reference).
+`zipage-jax bench gpu`, which runs them on the GPU against the reference).
 
 A case: `num_seqs` sequences of `width` full blocks at shuffled blocks, then one padding row
 (keeps nothing, tables and targets all the dummy block 0). Targets rotate through: in place,

@@ -1,21 +1,18 @@
-"""scripts/eval_quality.py and scripts/plot_results.py plumbing, on a tiny random model."""
+"""`zipage-jax eval quality` and `zipage-jax bench plot` plumbing, on a tiny random model."""
 
-import hashlib
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import eval_quality as eq
-import plot_results
-
 from zipage_jax import SamplingParams
+from zipage_jax.bench import plot as plot_results
+from zipage_jax.cli import main as cli
+from zipage_jax.evals import datasets, forcing, quality, quality_report, scoring, variants
+from zipage_jax.evals import quality_budgets as qb
+from zipage_jax.evals import quality_jobs as qj
 from zipage_jax.models.loading import load_model
 
 LENGTH = 160  # prompt + forced tokens per job: 10 blocks of 16
@@ -30,24 +27,31 @@ def loaded(tiny_model_factory, model_cache_dir):
 
 
 @pytest.fixture(scope="module")
-def args():
-    return eq.parse_args(["--length", str(LENGTH), "--block-size", "16", "--query-cache-len", "4", "--no-reasoning"])
+def parse(eval_args):
+    """The arguments of `zipage-jax eval quality ARGV`, resolved as run() resolves them."""
+    return lambda argv: quality.resolve_arguments(eval_args("quality", *argv))
 
 
-def _jobs(free: int = 0) -> list[eq.Job]:
+@pytest.fixture(scope="module")
+def args(parse):
+    return parse(["--length", str(LENGTH), "--block-size", "16", "--query-cache-len", "4", "--no-reasoning"])
+
+
+def _jobs(free: int = 0) -> list[forcing.Job]:
     rng = np.random.default_rng(0)
-    return [eq.Job("text:t", rng.integers(3, 320, 16).tolist(), rng.integers(3, 320, LENGTH - 16).tolist(), free=free)
+    return [forcing.Job("text:t", rng.integers(3, 320, 16).tolist(), rng.integers(3, 320, LENGTH - 16).tolist(),
+                        free=free)
             for _ in range(2)]
 
 
 def test_forced_logprobs_are_the_engines_own(loaded, args):
     """Forcing the tokens greedy decoding chose gives back greedy decoding's log-probabilities."""
-    llm = eq.make_llm(loaded, args, 64, 4)
+    llm = forcing.make_llm(loaded, args, 64, 4)
     prompt = _jobs()[0].prompt
     plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0,
                                                   kv_budget=0), use_tqdm=False)[0]
-    job = eq.Job("text:t", prompt, plain["token_ids"][:30], free=10)
-    (res,) = eq.teacher_force(llm, [job], [0], ["full"])
+    job = forcing.Job("text:t", prompt, plain["token_ids"][:30], free=10)
+    (res,) = forcing.teacher_force(llm, [job], [0], ["full"])
     expected = [d["logprob"] for d in plain["logprobs"]]
     np.testing.assert_allclose(res.logprobs, expected[:30], rtol=0, atol=1e-5)
     assert res.generated == plain["token_ids"][30:40]
@@ -56,17 +60,17 @@ def test_forced_logprobs_are_the_engines_own(loaded, args):
 def test_compression_changes_only_tokens_after_the_first_compaction(loaded, args):
     jobs = _jobs(free=8)
     budget = 64  # 4 blocks: the first compaction comes when the 6th block is needed (token 80)
-    llm = eq.make_llm(loaded, args, eq.pool_blocks(jobs * 3, [0, 0, budget, budget, budget, budget], 16), 6)
-    results = eq.teacher_force(llm, jobs * 3, [0, 0, budget, budget, budget, budget],
+    llm = forcing.make_llm(loaded, args, forcing.pool_blocks(jobs * 3, [0, 0, budget, budget, budget, budget], 16), 6)
+    results = forcing.teacher_force(llm, jobs * 3, [0, 0, budget, budget, budget, budget],
                                ["full", "full", "zipage-attn", "zipage-attn", "streaming", "streaming"])
     full, attn, streaming = results[:2], results[2:4], results[4:]
     before = 5 * 16 - 16  # forced tokens decoded before any compaction (the prompt is 16 tokens)
-    for ref, mine in zip(full * 2, attn + streaming):
+    for ref, mine in zip(full * 2, attn + streaming, strict=True):
         assert np.all(np.isfinite(mine.logprobs)) and np.all(mine.logprobs <= 0)
         np.testing.assert_allclose(mine.logprobs[:before], ref.logprobs[:before], rtol=0, atol=1e-5)
         assert np.abs(mine.logprobs[before:] - ref.logprobs[before:]).max() > 1e-4
-    assert any(not np.allclose(a.logprobs, s.logprobs) for a, s in zip(attn, streaming))
-    row = eq.summarise("streaming", 0.4, jobs, streaming, full)
+    assert any(not np.allclose(a.logprobs, s.logprobs) for a, s in zip(attn, streaming, strict=True))
+    row = scoring.summarise("streaming", 0.4, jobs, streaming, full)
     assert 0 < row["ppl_ratio"] != 1.0 and 0 <= row["agreement"] <= 1 and row["passkey_accuracy"] is None
 
 
@@ -75,82 +79,82 @@ def test_each_policy_runs_with_its_own_engine_options(loaded, args):
     jobs = _jobs()
     budget = 64
     names = ["zipage-attn", "zipage", "window-attn", "window"]
-    mixed, _ = eq.run_batch(loaded, args, jobs * 4, [budget] * 8, [n for n in names for _ in jobs])
+    mixed, _ = forcing.run_batch(loaded, args, jobs * 4, [budget] * 8, [n for n in names for _ in jobs])
     for k, name in enumerate(names):
-        options = dict(eq.VARIANTS[name])
-        llm = eq.make_llm(loaded, args, eq.pool_blocks(jobs, [budget] * 2, 16), 2,
+        options = dict(variants.VARIANTS[name])
+        llm = forcing.make_llm(loaded, args, forcing.pool_blocks(jobs, [budget] * 2, 16), 2,
                           tuple(sorted(options.items())))  # eviction_policy as an engine option
-        alone = eq.teacher_force(llm, jobs, [budget] * 2, ["full"] * 2)  # "full" sets no per-request policy
-        for a, b in zip(mixed[2 * k:2 * k + 2], alone):
+        alone = forcing.teacher_force(llm, jobs, [budget] * 2, ["full"] * 2)  # "full" sets no per-request policy
+        for a, b in zip(mixed[2 * k:2 * k + 2], alone, strict=True):
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-4)  # batch-size rounding
     assert np.abs(mixed[0].logprobs - mixed[2].logprobs).max() > 1e-2  # zipage-attn != zipage
     assert np.abs(mixed[4].logprobs - mixed[6].logprobs).max() > 1e-2  # window-attn != window (global score)
 
 
 def test_summarise_ratio_and_agreement():
-    job = eq.Job("text:t", [1], [5, 6, 7], free=2)
-    full = eq.JobResult(np.log([0.5, 0.5, 0.5]), [1, 2])
-    mine = eq.JobResult(np.log([0.25, 0.5, 0.5]), [1, 3])
-    key = eq.Job("passkey", [1], [2], free=3, answer="12345", kind="passkey")
-    rows = eq.summarise("p", 0.125, [job, key], [mine, eq.JobResult(np.zeros(1), [], " 12345.")],
-                        [full, eq.JobResult(np.zeros(1), [], "")])
+    job = forcing.Job("text:t", [1], [5, 6, 7], free=2)
+    full = forcing.JobResult(np.log([0.5, 0.5, 0.5]), [1, 2])
+    mine = forcing.JobResult(np.log([0.25, 0.5, 0.5]), [1, 3])
+    key = forcing.Job("passkey", [1], [2], free=3, answer="12345", kind="passkey")
+    rows = scoring.summarise("p", 0.125, [job, key], [mine, forcing.JobResult(np.zeros(1), [], " 12345.")],
+                        [full, forcing.JobResult(np.zeros(1), [], "")])
     assert rows["ppl_ratio"] == pytest.approx(0.5 ** (1 / 3))  # exp(-(log 2) / 3 tokens)
     assert rows["agreement"] == 0.5 and rows["passkey_accuracy"] == 1.0
 
 
 def test_passkey_jobs_state_the_key_early_and_ask_at_the_end(loaded):
     tok = loaded.tokenizer
-    (job,) = eq.passkey_jobs(tok, 3000, 1)
+    (job,) = qj.passkey_jobs(tok, 3000, 1)
     text = tok.decode(job.prompt + job.forced)
     assert text.rstrip().endswith("The pass key is") and text.index(job.answer) < len(text) // 4
     assert abs(len(job.prompt) + len(job.forced) - 3000) < 60
 
 
-def test_budget_tokens_and_bad_arguments():
-    assert eq._budget_tokens(1 / 8, 2048, 32, 16) == 256
-    assert eq._budget_tokens(1 / 16, 1000, 32, 16) == 64
+def test_budget_tokens_and_bad_arguments(parse):
+    assert qb.budget_tokens(1 / 8, 2048, 32, 16) == 256
+    assert qb.budget_tokens(1 / 16, 1000, 32, 16) == 64
     with pytest.raises(ValueError, match="too small"):
-        eq._budget_tokens(1 / 64, 512, 16, 16)
+        qb.budget_tokens(1 / 64, 512, 16, 16)
     with pytest.raises(SystemExit):
-        eq.parse_args(["--budgets", "1.5"])
+        parse(["--budgets", "1.5"])
     with pytest.raises(SystemExit):
-        eq.parse_args(["--text", "/no/such/file"])
+        parse(["--text", "/no/such/file"])
 
 
-def _error(argv: list[str], capsys) -> str:
+def _error(parse, argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit):
-        eq.parse_args(argv)
+        parse(argv)
     return capsys.readouterr().err
 
 
-def test_workload_options_and_lengths(capsys):
-    default = eq.parse_args([])
+def test_workload_options_and_lengths(parse, capsys):
+    default = parse([])
     assert (default.length, default.reasoning_length, default.max_context) == (2048, 3072, 3072)
-    assert eq.workload_lengths(default) == {"text": 2048, "reasoning": 3072, "passkey": 2048}
-    quick = eq.parse_args(["--quick"])
-    assert eq.workload_lengths(quick) == {"text": 1024, "reasoning": 3072, "passkey": 1024}
-    alone = eq.parse_args(["--reasoning-only", "--budgets", "0.125"])
+    assert qj.workload_lengths(default) == {"text": 2048, "reasoning": 3072, "passkey": 2048}
+    quick = parse(["--quick"])
+    assert qj.workload_lengths(quick) == {"text": 1024, "reasoning": 3072, "passkey": 1024}
+    alone = parse(["--reasoning-only", "--budgets", "0.125"])
     assert (alone.texts, alone.passkey_trials, alone.reasoning) == (False, 0, True)
-    assert eq.workload_lengths(alone) == {"reasoning": 3072} and alone.max_context == 3072
-    assert eq.workload_lengths(eq.parse_args(["--no-texts", "--no-reasoning"])) == {"passkey": 2048}
-    assert eq.workload_lengths(eq.parse_args(["--no-passkeys", "--no-reasoning"])) == {"text": 2048}
-    assert eq.parse_args(["--passkey-trials", "3", "--split", "heldout"]).passkey_trials == 0  # passkeys: dev only
-    assert eq.parse_args(["--reasoning-length", "1024"]).reasoning_length == 1024  # below 2,000 is allowed
+    assert qj.workload_lengths(alone) == {"reasoning": 3072} and alone.max_context == 3072
+    assert qj.workload_lengths(parse(["--no-texts", "--no-reasoning"])) == {"passkey": 2048}
+    assert qj.workload_lengths(parse(["--no-passkeys", "--no-reasoning"])) == {"text": 2048}
+    assert parse(["--passkey-trials", "3", "--split", "heldout"]).passkey_trials == 0  # passkeys: dev only
+    assert parse(["--reasoning-length", "1024"]).reasoning_length == 1024  # below 2,000 is allowed
     for argv, message in ((["--reasoning-only", "--no-reasoning"], "nothing to run"),
                           (["--no-texts", "--no-passkeys", "--no-reasoning"], "no workload"),
                           (["--reasoning-length", "32"], "--reasoning-length must be at least 64"),
                           (["--reasoning-only", "--text", __file__], "--text")):
-        assert message in _error(argv, capsys)
+        assert message in _error(parse, argv, capsys)
 
 
-def test_budgets_that_cannot_hold_the_protected_tokens_are_refused_per_workload(capsys):
+def test_budgets_that_cannot_hold_the_protected_tokens_are_refused_per_workload(parse, capsys):
     """1/16 of 256 tokens is one block of 16: fewer than the query cache's 16 + 4 protected tokens."""
     short = ["--reasoning-length", "256", "--block-size", "16"]
-    assert "reasoning at 256 tokens" in _error([*short, "--budgets", "0.0625"], capsys)
-    assert "too small" in _error([*short, "--budgets", "0.0625"], capsys)
-    assert "too few" in _error([*short, "--memory-fractions", "0.0625"], capsys)
-    assert eq.parse_args([*short, "--budgets", "0.0625", "--no-reasoning"]).budgets == [0.0625]  # texts: 2048
-    assert eq.parse_args([*short, "--budgets", "0.125"]).budgets == [0.125]  # 32 tokens
+    assert "reasoning at 256 tokens" in _error(parse, [*short, "--budgets", "0.0625"], capsys)
+    assert "too small" in _error(parse, [*short, "--budgets", "0.0625"], capsys)
+    assert "too few" in _error(parse, [*short, "--memory-fractions", "0.0625"], capsys)
+    assert parse([*short, "--budgets", "0.0625", "--no-reasoning"]).budgets == [0.0625]  # texts: 2048
+    assert parse([*short, "--budgets", "0.125"]).budgets == [0.125]  # 32 tokens
 
 
 def test_plot_writes_png(tmp_path):
@@ -160,27 +164,28 @@ def test_plot_writes_png(tmp_path):
     src = tmp_path / "q.json"
     src.write_text("log line\n" + json.dumps({"results": rows}) + "\n")
     out = tmp_path / "q.png"
-    plot_results.main([str(src), "--out", str(out)])
+    cli(["bench", "plot", str(src), "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_results.plot(rows, out) == ["ppl_ratio", "agreement"]
-    plot_results.main([str(src), "--out", str(out), "--policies", "window"])
+    cli(["bench", "plot", str(src), "--out", str(out), "--policies", "window"])
     with pytest.raises(ValueError, match="no compressed policy"):
-        plot_results.main([str(src), "--out", str(out), "--policies", "nope"])
+        cli(["bench", "plot", str(src), "--out", str(out), "--policies", "nope"])
     src.write_text("{}\n")
     with pytest.raises(ValueError, match="results"):
         plot_results.load_rows(src)
 
 
-def test_variants_cover_the_policy_registry():
+def test_variants_cover_the_policy_registry(parse):
     from zipage_jax import EngineConfig
     from zipage_jax.compress.policies import POLICIES
 
-    assert set(POLICIES) <= set(eq.VARIANTS)
-    for name, options in eq.VARIANTS.items():
+    assert set(POLICIES) <= set(variants.VARIANTS)
+    for name, options in variants.VARIANTS.items():
         assert options.get("eviction_policy", "zipage") in POLICIES, name
-        EngineConfig.from_options(**eq.engine_options(eq.parse_args([]), eq.engine_group(name)))
-    assert eq.engine_group("window") == eq.engine_group("vnorm-window") == (("use_global_score", True),)
-    assert eq.engine_group("zipage-attn") == ()  # attention only: engine_options turns the global score off
+        EngineConfig.from_options(**variants.group_engine_options(variants.engine_group(name), block_size=32,
+                                                                  query_cache_len=16, longest=3072))
+    assert variants.engine_group("window") == variants.engine_group("vnorm-window") == (("use_global_score", True),)
+    assert variants.engine_group("zipage-attn") == ()  # attention only: engine_options turns the global score off
 
 
 # -- equal memory and the held-out set ---------------------------------------------------------
@@ -190,118 +195,85 @@ SMOLLM = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)  # the defa
 
 def test_kv_token_bytes_count_values_and_scales():
     values = 2 * 30 * 3 * 64  # K and V of every layer and kv head
-    assert eq.kv_token_bytes(SMOLLM, "auto", jnp.bfloat16) == 2 * values
-    assert eq.kv_token_bytes(SMOLLM, "auto", jnp.float32) == 4 * values
+    assert qb.kv_token_bytes(SMOLLM, "auto", jnp.bfloat16) == 2 * values
+    assert qb.kv_token_bytes(SMOLLM, "auto", jnp.float32) == 4 * values
     for dtype in ("int8", "fp8"):  # one byte a value plus a float32 scale per token, kv head, K / V, layer
-        assert eq.kv_token_bytes(SMOLLM, dtype, jnp.bfloat16) == values + 4 * 2 * 30 * 3
+        assert qb.kv_token_bytes(SMOLLM, dtype, jnp.bfloat16) == values + 4 * 2 * 30 * 3
 
 
 def test_memory_budget_tokens_at_equal_memory():
     bf16, int8 = 2 * 64, 64 + 4  # bytes per value of one token's K (likewise V): the ratio is what counts
     for fraction, tokens_bf16, tokens_int8 in ((1 / 16, 64, 112), (1 / 8, 128, 240), (1 / 4, 256, 480)):
-        assert eq.memory_budget_tokens(fraction, 1024, bf16, bf16, 16, 16) == tokens_bf16
+        assert qb.memory_budget_tokens(fraction, 1024, bf16, bf16, 16, 16) == tokens_bf16
         # floor(fraction * 1024 * 128 / 68) tokens, rounded down to blocks of 16: never more memory
-        assert eq.memory_budget_tokens(fraction, 1024, int8, bf16, 16, 16) == tokens_int8
+        assert qb.memory_budget_tokens(fraction, 1024, int8, bf16, 16, 16) == tokens_int8
         assert tokens_int8 * int8 <= fraction * 1024 * bf16 < (tokens_int8 + 16) * int8
-    assert eq.memory_budget_tokens(1 / 8, 1024, int8, bf16, 32, 16) == 224  # 240.9 -> 7 blocks of 32
+    assert qb.memory_budget_tokens(1 / 8, 1024, int8, bf16, 32, 16) == 224  # 240.9 -> 7 blocks of 32
     with pytest.raises(ValueError, match="too few"):
-        eq.memory_budget_tokens(1 / 64, 512, bf16, bf16, 16, 16)
+        qb.memory_budget_tokens(1 / 64, 512, bf16, bf16, 16, 16)
 
 
 def test_budget_fields_as_tokens_and_as_memory():
-    row = eq.budget_fields(SMOLLM, eq.Point("vnorm-window", "int8", "memory", 1 / 8), 1024, 240, jnp.float32)
+    row = qb.budget_fields(SMOLLM, qb.Point("vnorm-window", "int8", "memory", 1 / 8), 1024, 240, jnp.float32)
     assert (row["context"], row["budget_tokens"], row["kept_fraction"]) == (1024, 240, 240 / 1024)
     assert row["memory_fraction_bf16"] == pytest.approx(240 * 68 / (1024 * 128))
     assert row["memory_fraction_f32"] == pytest.approx(240 * 68 / (1024 * 256))
-    auto = eq.budget_fields(SMOLLM, eq.Point("streaming", "auto", "tokens", 1 / 8), 3072, 384, jnp.float32)
+    auto = qb.budget_fields(SMOLLM, qb.Point("streaming", "auto", "tokens", 1 / 8), 3072, 384, jnp.float32)
     assert auto["memory_fraction_bf16"] == auto["memory_fraction_f32"] == auto["kept_fraction"] == 1 / 8
-    full = eq.budget_fields(SMOLLM, eq.Point("full", "fp8", "memory", 1.0), 1024, 0, jnp.float32)  # quantization alone
+    full = qb.budget_fields(SMOLLM, qb.Point("full", "fp8", "memory", 1.0), 1024, 0, jnp.float32)  # quantization alone
     assert full["budget_tokens"] == 1024 and full["memory_fraction_bf16"] == 68 / 128
 
 
-def _job(context: int, kind: str = "text", split: str = "dev") -> eq.Job:
-    return eq.Job(f"{kind}:{context}", [0] * eq.PROMPT_TOKENS, [0] * (context - eq.PROMPT_TOKENS), kind=kind, split=split)
+def _job(context: int, kind: str = "text", split: str = "dev") -> forcing.Job:
+    return forcing.Job(f"{kind}:{context}", [0] * qj.PROMPT_TOKENS, [0] * (context - qj.PROMPT_TOKENS), kind=kind,
+                       split=split)
 
 
-def test_plan_points_of_both_kinds_and_budgets_per_job_length():
-    args = eq.parse_args(["--budgets", "0.125", "--memory-fractions", "0.0625", "0.125",
+def test_plan_points_of_both_kinds_and_budgets_per_job_length(parse):
+    args = parse(["--budgets", "0.125", "--memory-fractions", "0.0625", "0.125",
                           "--kv-cache-dtypes", "auto", "int8", "fp8"])
-    assert (args.policies, args.block_size, args.split, args.passkey_trials) == (eq.MEMORY_POLICIES, 16, "both", 0)
-    points = eq.plan_points(args)
-    assert [p for p in points if p.policy == "full"] == [eq.Point("full", "int8", "memory", 1.0),
-                                                         eq.Point("full", "fp8", "memory", 1.0)]
-    assert [p for p in points if p.fraction_kind == "tokens"] == [eq.Point(p, "auto", "tokens", 0.125)
-                                                                  for p in eq.MEMORY_POLICIES]
-    assert len(points) == len(eq.MEMORY_POLICIES) + 2 + 3 * 2 * len(eq.MEMORY_POLICIES)
+    assert (args.policies, args.block_size, args.split, args.passkey_trials) == (quality.MEMORY_POLICIES, 16, "both", 0)
+    points = qb.plan_points(args)
+    assert [p for p in points if p.policy == "full"] == [qb.Point("full", "int8", "memory", 1.0),
+                                                         qb.Point("full", "fp8", "memory", 1.0)]
+    assert [p for p in points if p.fraction_kind == "tokens"] == [qb.Point(p, "auto", "tokens", 0.125)
+                                                                  for p in quality.MEMORY_POLICIES]
+    assert len(points) == len(quality.MEMORY_POLICIES) + 2 + 3 * 2 * len(quality.MEMORY_POLICIES)
     jobs = [_job(1024), _job(3072, "reasoning"), _job(1000, "passkey")]
-    budgets = eq.point_budgets(points, jobs, SMOLLM, args)
+    budgets = qb.point_budgets(points, jobs, SMOLLM, args)
     got = {(p.kv_cache_dtype, p.fraction_kind, p.fraction): b for p, b in budgets.items() if p.policy == "streaming"}
     # tokens: rounded to blocks of 16; memory: floor(f * context * 128 / 68) rounded down to blocks
     assert got == {("auto", "tokens", 0.125): [128, 384, 128], ("auto", "memory", 0.0625): [64, 192, 48],
                    ("auto", "memory", 0.125): [128, 384, 112], ("int8", "memory", 0.0625): [112, 352, 112],
                    ("int8", "memory", 0.125): [240, 720, 224], ("fp8", "memory", 0.0625): [112, 352, 112],
                    ("fp8", "memory", 0.125): [240, 720, 224]}
-    assert budgets[eq.Point("full", "int8", "memory", 1.0)] == [0, 0, 0]
-    small = eq.parse_args(["--budgets", "0.0625", "--block-size", "16"])  # 1/16 of 256 tokens: one block
+    assert budgets[qb.Point("full", "int8", "memory", 1.0)] == [0, 0, 0]
+    small = parse(["--budgets", "0.0625", "--block-size", "16"])  # 1/16 of 256 tokens: one block
     with pytest.raises(ValueError, match=r"reasoning job reasoning:256 \(256 tokens\).*too small"):
-        eq.point_budgets(eq.plan_points(small), [_job(2048), _job(256, "reasoning")], SMOLLM, small)
+        qb.point_budgets(qb.plan_points(small), [_job(2048), _job(256, "reasoning")], SMOLLM, small)
     for bad in (["--kv-cache-dtypes", "int8"], ["--memory-fractions", "1.0"], ["--heldout-per-kind", "-1"]):
         with pytest.raises(SystemExit):
-            eq.parse_args(bad)
-    legacy = eq.parse_args(["--budgets", "0.125", "--policies", "full", "streaming"])
-    assert eq.plan_points(legacy) == [eq.Point("streaming", "auto", "tokens", 0.125)]
-    assert eq.fraction_kinds(legacy) == ["tokens"] and eq.fraction_kinds(args) == ["tokens", "memory"]
-
-
-class _WordTokenizer:
-    def __call__(self, text):
-        return {"input_ids": list(range(len(text.split())))}
-
-
-def test_heldout_rule_is_the_hash_order_of_long_enough_candidates():
-    long, short = "w " * 50, "w " * 10
-    candidates = {"prose": [(f"p{i}", lambda t=(long if i % 2 else short): t) for i in range(8)],
-                  "docstrings": [(f"m{i}.py (docstrings)", lambda: long) for i in range(6)],
-                  "code": [(f"m{i}.py", lambda: long) for i in range(6)]}
-
-    def order(kind, names):
-        return sorted(names, key=lambda n: hashlib.sha256(f"{kind}:{n}".encode()).hexdigest())
-
-    picked = eq.heldout_sources(_WordTokenizer(), 2, 40, candidates)
-    names = {kind: [s.name for s in picked if s.kind == kind] for kind in ("prose", "docstrings", "code")}
-    assert names["prose"] == [n for n in order("prose", [f"p{i}" for i in range(8)]) if int(n[1:]) % 2][:2]
-    assert names["docstrings"] == order("docstrings", [f"m{i}.py (docstrings)" for i in range(6)])[:2]
-    docs = {n.removesuffix(" (docstrings)") for n in names["docstrings"]}
-    assert names["code"] == [n for n in order("code", [f"m{i}.py" for i in range(6)]) if n not in docs][:2]
-    assert [s.name for s in eq.heldout_sources(_WordTokenizer(), 2, 40, candidates)] == [s.name for s in picked]
+            parse(bad)
+    legacy = parse(["--budgets", "0.125", "--policies", "full", "streaming"])
+    assert qb.plan_points(legacy) == [qb.Point("streaming", "auto", "tokens", 0.125)]
+    assert qb.fraction_kinds(legacy) == ["tokens"] and qb.fraction_kinds(args) == ["tokens", "memory"]
 
 
 def test_heldout_texts_are_fixed_and_never_dev(loaded):
-    first = eq.heldout_sources(loaded.tokenizer, 1)
-    assert [s.kind for s in first] == list(eq.HELDOUT_KINDS)  # the stdlib alone has a long text of each kind
-    assert [(s.name, s.text) for s in eq.heldout_sources(loaded.tokenizer, 1)] == [(s.name, s.text) for s in first]
-    assert not {s.name for s in first} & set(eq.STDLIB_TEXTS)
-    assert all(len(loaded.tokenizer(s.text)["input_ids"]) >= eq.HELDOUT_MIN_TOKENS for s in first)
-    assert not set(eq.HELDOUT_PROBLEMS) & set(eq.PROBLEMS)
+    first = datasets.heldout_sources(loaded.tokenizer, 1)
+    assert [s.kind for s in first] == list(datasets.HELDOUT_KINDS)  # the stdlib alone has a long text of each kind
+    again = datasets.heldout_sources(loaded.tokenizer, 1)
+    assert [(s.name, s.text) for s in again] == [(s.name, s.text) for s in first]
+    assert not {s.name for s in first} & set(datasets.DEV_TEXTS)
+    assert all(len(loaded.tokenizer(s.text)["input_ids"]) >= datasets.HELDOUT_MIN_TOKENS for s in first)
+    assert not set(datasets.HELDOUT_PROBLEMS) & set(datasets.DEV_PROBLEMS)
 
 
 # -- reasoning conversations --------------------------------------------------------------------
 
 QUESTIONS = ("Add 2 and 3.", "Name a colour.", "Count to four.")
-CONVERSATIONS = ((QUESTIONS, 0), (eq.rotated(QUESTIONS, 1), 5))
+CONVERSATIONS = ((QUESTIONS, 0), (datasets.rotated(QUESTIONS, 1), 5))
 REASONING = 256  # tokens per conversation: three turns of answers of at most 40 tokens on the tiny model
-
-
-def test_conversation_splits():
-    assert [seed for _, seed in eq.DEV_CONVERSATIONS] == [0, 3, 6]
-    assert [problems[0] for problems, _ in eq.DEV_CONVERSATIONS] == [eq.PROBLEMS[0], eq.PROBLEMS[3], eq.PROBLEMS[6]]
-    assert all(sorted(problems) == sorted(eq.PROBLEMS) for problems, _ in eq.DEV_CONVERSATIONS)
-    held = eq.HELDOUT_CONVERSATIONS
-    assert len(held) == 3 and len({seed for _, seed in held}) == 3
-    assert len(set(eq.HELDOUT_PROBLEMS)) == len(eq.HELDOUT_PROBLEMS) == 24  # none repeats within 24 turns
-    assert [problems[:8] for problems, _ in held[:2]] == [eq.HELDOUT_PROBLEMS[:8], eq.HELDOUT_PROBLEMS[8:16]]
-    assert held[2][0][:8] == eq.HELDOUT_PROBLEMS[16:] and all(len(problems) == 24 for problems, _ in held)
-    assert not set(eq.HELDOUT_PROBLEMS) & set(eq.PROBLEMS)
 
 
 def test_next_prompt_keeps_the_answers_tokens_as_written(loaded):
@@ -309,7 +281,7 @@ def test_next_prompt_keeps_the_answers_tokens_as_written(loaded):
 
     tok = loaded.tokenizer
     q1, q2 = ({"role": "user", "content": q} for q in QUESTIONS[:2])
-    first = eq.next_prompt(tok, [], [], q1)
+    first = qj.next_prompt(tok, [], [], q1)
     assert first == chat_prompt_ids(tok, [q1])
     answer = [tok(c, add_special_tokens=False)["input_ids"][0] for c in "the cat"]  # one token a character
     assert answer != tok("the cat", add_special_tokens=False)["input_ids"]  # not how the tokenizer writes it
@@ -317,15 +289,15 @@ def test_next_prompt_keeps_the_answers_tokens_as_written(loaded):
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     for written, stopped in ((answer + [eos], True), (answer, False)):  # ended by the model, or cut at max_tokens
         ids = first + written
-        prompt = eq.next_prompt(tok, messages, ids, q2, stopped)
+        prompt = qj.next_prompt(tok, messages, ids, q2, stopped)
         assert prompt[:len(ids)] == ids  # the answer as written: never re-tokenized
         assert tok.decode(prompt) == chat_prompt_text(tok, [*messages, q2])  # one end-of-turn, as the template
 
 
-def test_conversations_batched_per_turn_exact_length_answer_mask_and_cache(loaded, monkeypatch):
-    monkeypatch.setattr(eq, "REASONING_ANSWER_TOKENS", 40)
-    args = eq.parse_args(["--reasoning-length", str(REASONING), "--block-size", "16", "--query-cache-len", "4"])
-    llm = eq.make_llm(loaded, args, 2 * (REASONING // 16 + 2) + 2, 2)
+def test_conversations_batched_per_turn_exact_length_answer_mask_and_cache(loaded, parse, monkeypatch):
+    monkeypatch.setattr(qj, "REASONING_ANSWER_TOKENS", 40)
+    args = parse(["--reasoning-length", str(REASONING), "--block-size", "16", "--query-cache-len", "4"])
+    llm = forcing.make_llm(loaded, args, 2 * (REASONING // 16 + 2) + 2, 2)
     calls, generate = [], llm.generate
 
     def spy(prompts, params, use_tqdm=False):
@@ -334,63 +306,64 @@ def test_conversations_batched_per_turn_exact_length_answer_mask_and_cache(loade
         return outs
 
     llm.generate = spy
-    jobs = eq.reasoning_jobs(llm, REASONING, CONVERSATIONS, "heldout")
+    jobs = qj.reasoning_jobs(llm, REASONING, CONVERSATIONS, "heldout")
     assert [(j.workload, j.kind, j.split, j.context) for j in jobs] == [
         ("reasoning:heldout:seed0", "reasoning", "heldout", REASONING), ("reasoning:heldout:seed5", "reasoning",
                                                                            "heldout", REASONING)]
     assert len(calls) >= 3 and all(len(prompts) == 2 for prompts, _, _ in calls)  # one call a turn, both batched
     tok = loaded.tokenizer
-    for k, (job, (problems, seed)) in enumerate(zip(jobs, CONVERSATIONS)):
+    for k, (job, (problems, seed)) in enumerate(zip(jobs, CONVERSATIONS, strict=True)):
         ids = job.prompt + job.forced
         mask = np.zeros(REASONING, bool)
         for turn, (prompts, params, outs) in enumerate(calls):
             prompt, answer = prompts[k], outs[k]["token_ids"]
             assert params[k].seed == seed * 1000 + turn and (params[k].temperature, params[k].top_p) == (0.6, 0.95)
             assert ids[:len(prompt)] == prompt and ids[len(prompt):len(prompt) + len(answer)] == answer
-            assert tok.decode(prompt).endswith(problems[turn % 3] + eq.REASONING_SUFFIX + "<|im_end|>\n"
+            assert tok.decode(prompt).endswith(problems[turn % 3] + qj.REASONING_SUFFIX + "<|im_end|>\n"
                                                "<|im_start|>assistant\n")  # this turn's question
             mask[len(prompt):len(prompt) + len(answer)] = True
-        assert calls[-1][1][k].min_tokens == calls[-1][1][k].max_tokens < eq.REASONING_MIN_ROOM  # the last room
-        assert not mask[:eq.PROMPT_TOKENS].any()
-        np.testing.assert_array_equal(job.scored, mask[eq.PROMPT_TOKENS:])  # the answers' tokens, nothing else
+        assert calls[-1][1][k].min_tokens == calls[-1][1][k].max_tokens < qj.REASONING_MIN_ROOM  # the last room
+        assert not mask[:qj.PROMPT_TOKENS].any()
+        np.testing.assert_array_equal(job.scored, mask[qj.PROMPT_TOKENS:])  # the answers' tokens, nothing else
     assert jobs[0].forced != jobs[1].forced
 
     def refuse(*_, **__):
         raise AssertionError("generated again")
 
     llm.generate = refuse
-    again = eq.reasoning_jobs(llm, REASONING, CONVERSATIONS, "heldout")  # from the disk cache
+    again = qj.reasoning_jobs(llm, REASONING, CONVERSATIONS, "heldout")  # from the disk cache
     assert [(j.prompt, j.forced) for j in again] == [(j.prompt, j.forced) for j in jobs]
-    assert all(np.array_equal(a.scored, j.scored) for a, j in zip(again, jobs))
+    assert all(np.array_equal(a.scored, j.scored) for a, j in zip(again, jobs, strict=True))
     other_seed = (CONVERSATIONS[0], (CONVERSATIONS[1][0], 6))
     for changed in ((REASONING - 16, CONVERSATIONS), (REASONING, other_seed), (REASONING, CONVERSATIONS[:1]),
                     (REASONING, ((QUESTIONS[:2], 0),))):
         with pytest.raises(AssertionError, match="generated again"):  # every input is in the cache key
-            eq.reasoning_jobs(llm, *changed)
+            qj.reasoning_jobs(llm, *changed)
     with pytest.raises(ValueError, match="first answer"):  # no room for an answer after the first question
-        eq.reasoning_jobs(llm, 64, CONVERSATIONS)
+        qj.reasoning_jobs(llm, 64, CONVERSATIONS)
 
 
-def test_both_fraction_kinds_texts_and_reasoning_end_to_end(loaded, tiny_model_factory, monkeypatch):
+def test_both_fraction_kinds_texts_and_reasoning_end_to_end(loaded, parse, tiny_model_factory, monkeypatch):
     """Texts of 160 tokens and conversations of 256 in one run, at a quarter of their tokens and a
     quarter of their bf16 bytes (auto and int8): budgets per job length, one engine per (engine options,
     kv dtype) with every point of it batched, rows per split with each workload's lengths, tables."""
-    monkeypatch.setattr(eq, "HELDOUT_KINDS", ("code",))
-    monkeypatch.setattr(eq, "REASONING_ANSWER_TOKENS", 40)
-    monkeypatch.setattr(eq, "DEV_CONVERSATIONS", CONVERSATIONS)
-    monkeypatch.setattr(eq, "HELDOUT_CONVERSATIONS", ((eq.rotated(QUESTIONS, 2), 7),))
-    engines, make_llm = [], eq.make_llm
+    monkeypatch.setattr(datasets, "HELDOUT_KINDS", ("code",))
+    monkeypatch.setattr(qj, "REASONING_ANSWER_TOKENS", 40)
+    monkeypatch.setitem(datasets.CONVERSATIONS, "dev", CONVERSATIONS)
+    monkeypatch.setitem(datasets.CONVERSATIONS, "heldout", ((datasets.rotated(QUESTIONS, 2), 7),))
+    engines, make_llm = [], forcing.make_llm
 
     def spy(loaded, args, num_blocks, max_num_seqs, group=()):
         engines.append((group, max_num_seqs))
         return make_llm(loaded, args, num_blocks, max_num_seqs, group)
 
-    monkeypatch.setattr(eq, "make_llm", spy)
-    args = eq.parse_args(["--model", str(tiny_model_factory("llama")), "--budgets", "0.25", "--memory-fractions",
-                          "0.25", "--kv-cache-dtypes", "auto", "int8", "--policies", "zipage-attn", "--length",
-                          str(LENGTH), "--reasoning-length", str(REASONING), "--num-texts", "1",
-                          "--heldout-per-kind", "1", "--query-cache-len", "4"])
-    rows, workloads = eq.evaluate(args)
+    monkeypatch.setattr(forcing, "make_llm", spy)  # the engines of the forced runs
+    monkeypatch.setattr(qj, "make_llm", spy)  # the conversations' engine
+    args = parse(["--model", str(tiny_model_factory("llama")), "--budgets", "0.25", "--memory-fractions",
+                  "0.25", "--kv-cache-dtypes", "auto", "int8", "--policies", "zipage-attn", "--length",
+                  str(LENGTH), "--reasoning-length", str(REASONING), "--num-texts", "1",
+                  "--heldout-per-kind", "1", "--query-cache-len", "4"])
+    rows, workloads = quality.evaluate(args)
     assert [(j["kind"], j["split"], j["context"]) for j in workloads["jobs"]] == [
         ("code", "dev", LENGTH), ("reasoning", "dev", REASONING), ("reasoning", "dev", REASONING),
         ("code", "heldout", LENGTH), ("reasoning", "heldout", REASONING)]
@@ -432,32 +405,34 @@ def test_both_fraction_kinds_texts_and_reasoning_end_to_end(loaded, tiny_model_f
             "reasoning_ppl_ratio"]  # the same budgets: one run
         assert memory["memory_fraction"] == 0.25 and "memory_fraction" not in tokens
         assert got["zipage-attn", "int8", "memory", split]["reasoning_ppl_ratio"] != memory["reasoning_ppl_ratio"]
-    table = eq.markdown_table(rows, workloads["lengths"])
+    table = quality_report.markdown_table(rows, workloads["lengths"])
     assert table.startswith(f"Context: text {LENGTH} tokens, reasoning {REASONING} tokens.")
-    assert table.count("| policy |") == 2 and eq.TABLE_TITLES["tokens"] in table and eq.TABLE_TITLES["memory"] in table
+    titles = quality_report.TABLE_TITLES
+    assert table.count("| policy |") == 2 and titles["tokens"] in table and titles["memory"] in table
 
     def pair(key, *point):
         return f"{got[(*point, 'heldout')][key]:.3f} ({got[(*point, 'dev')][key]:.3f})"
 
     bf16 = [kept * 40 / (context * 64) for kept, context in ((64, LENGTH), (96, REASONING))]  # text, reasoning
-    assert (f"| zipage-attn | int8 | {bf16[0]:.4f} / {bf16[1]:.4f} | {bf16[0] / 2:.4f} / {bf16[1] / 2:.4f} | 64 / 96 | {pair('ppl_ratio', 'zipage-attn', 'int8', 'memory')} | "
+    assert (f"| zipage-attn | int8 | {bf16[0]:.4f} / {bf16[1]:.4f} | {bf16[0] / 2:.4f} / {bf16[1] / 2:.4f} | 64 / 96 | "
+            f"{pair('ppl_ratio', 'zipage-attn', 'int8', 'memory')} | "
             f"{pair('reasoning_ppl_ratio', 'zipage-attn', 'int8', 'memory')} | "
             f"{pair('agreement', 'zipage-attn', 'int8', 'memory')} |") in table
     assert (f"| zipage-attn | 0.25 | 32 / 64 | {32 / LENGTH:.4f} / {64 / REASONING:.4f} | "
             f"{pair('ppl_ratio', 'zipage-attn', 'auto', 'tokens')} | "
             f"{pair('reasoning_ppl_ratio', 'zipage-attn', 'auto', 'tokens')} |") in table
-    assert "| memory of bf16 full KV (text / reasoning) | of f32 (text / reasoning) | kept tokens (text / reasoning) |" \
-        in table
+    assert ("| memory of bf16 full KV (text / reasoning) | of f32 (text / reasoning) | kept tokens (text / reasoning) "
+            "|") in table
 
 
 def test_main_prints_the_tables_and_the_json_with_the_lengths(monkeypatch, capsys, tmp_path):
     row = {"policy": "full", "kv_cache_dtype": "auto", "fraction_kind": "tokens", "fraction": 1.0, "split": "dev",
            "budget_fraction": 1.0, "ppl_ratio": 1.0, "reasoning_ppl_ratio": 1.0, "passkey_accuracy": None,
-           "agreement": None, "by_workload": {"reasoning": eq.budget_fields(SMOLLM, eq.Point("full", "auto", "tokens",
+           "agreement": None, "by_workload": {"reasoning": qb.budget_fields(SMOLLM, qb.Point("full", "auto", "tokens",
                                                                                           1.0), 3072, 0, jnp.float32)}}
     workloads = {"lengths": {"reasoning": 3072}, "jobs": []}
-    monkeypatch.setattr(eq, "evaluate", lambda args: ([row], workloads))
-    eq.main(["--reasoning-only", "--json", "--markdown", str(tmp_path / "t.md")])
+    monkeypatch.setattr(quality, "evaluate", lambda args: ([row], workloads))
+    assert cli(["eval", "quality", "--reasoning-only", "--json", "--markdown", str(tmp_path / "t.md")]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     data = json.loads(out[-1])
     assert data["results"] == [row] and data["workloads"] == workloads and data["lengths"] == {"reasoning": 3072}
@@ -478,7 +453,7 @@ def test_plot_memory_writes_png(tmp_path):
     src = tmp_path / "m.json"
     src.write_text(json.dumps({"results": rows}) + "\n")
     out = tmp_path / "m.png"
-    plot_results.main([str(src), "--out", str(out)])
+    cli(["bench", "plot", str(src), "--out", str(out)])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_results.plot_memory(rows, out) == ["heldout", "dev"]
     assert len(plot_results.merge([src, src])) == len(rows)  # dtype, fraction and split keep rows apart
@@ -507,6 +482,6 @@ def test_plot_both_fraction_kinds_and_any_kv_dtype(tmp_path):
     assert plot_results.memory_x(texts_and_talk, "reasoning_ppl_ratio") == 0.2344  # each workload at its memory
     assert plot_results.memory_x(texts_and_talk, "ppl_ratio") == 0.25 and plot_results.memory_x(rows[-1], "x") == 0.3
     out = tmp_path / "both.png"
-    plot_results.main([str(src), "--out", str(out)])
+    cli(["bench", "plot", str(src), "--out", str(out)])
     for path in (out, tmp_path / "both_tokens.png"):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""scripts/bench_startup.py: its pure helpers, the server client against canned responses, and
+"""`zipage-jax bench startup`: its pure helpers, the server probe against canned responses, and
 --quick runs on the tiny llama model (this tree only; the baseline in a slow test)."""
 
 from __future__ import annotations
@@ -7,31 +7,40 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from zipage_jax.bench import startup
+from zipage_jax.bench.startup_goals import GOALS, evaluate_goal, evaluate_goals
+from zipage_jax.bench.startup_metrics import (
+    SERVER_METRICS,
+    grid_done,
+    median_fields,
+    metric,
+    parse_metrics,
+    percentile,
+    server_metric_snapshot,
+    stream_summary,
+)
+from zipage_jax.bench.startup_server import ServerProbe
+from zipage_jax.bench.startup_worker import KINDS, extrapolate, program_summary, select_subset, summarize_records
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "scripts")]
-
-import bench_startup as bs  # noqa: E402
-
-
-def last_json(text: str) -> dict:
-    return json.loads(text.strip().splitlines()[-1])
 
 
 # -- pure helpers -------------------------------------------------------------------------------------
 
 
 def test_percentile_interpolates_and_ignores_none():
-    assert bs.percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)
-    assert bs.percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
-    assert bs.percentile([1, 2, 3, 4], 0) == 1 and bs.percentile([1, 2, 3, 4], 100) == 4
-    assert bs.percentile([7.0], 90) == 7.0
-    assert bs.percentile([], 50) is None and bs.percentile([None, 5], 50) == 5
+    assert percentile([4, 1, 3, 2], 50) == pytest.approx(2.5)
+    assert percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
+    assert percentile([1, 2, 3, 4], 0) == 1 and percentile([1, 2, 3, 4], 100) == 4
+    assert percentile([7.0], 90) == 7.0
+    assert percentile([], 50) is None and percentile([None, 5], 50) == 5
 
 
 METRICS = """# HELP zipage:programs_ready Programs built.
@@ -51,34 +60,34 @@ not a metric line
 
 
 def test_parse_metrics_sums_labels_and_finds_counters_by_either_name():
-    m = bs.parse_metrics(METRICS)
+    m = parse_metrics(METRICS)
     assert m["zipage:programs_ready"] == 11.0 and m["zipage:requests_refused_total"] == 3.0
     assert m['vllm:time_to_first_token_seconds_bucket'] == 3.0
-    assert bs.metric(m, "zipage:compile_seconds") == 29.5 == bs.metric(m, "zipage:compile_seconds_total")
-    assert bs.metric(m, "zipage:programs_loaded_total") == 0.0
-    assert bs.metric(m, "zipage:no_such_metric") is None and bs.metric(None, "zipage:programs_ready") is None
-    snapshot = bs.server_metric_snapshot(m)
+    assert metric(m, "zipage:compile_seconds") == 29.5 == metric(m, "zipage:compile_seconds_total")
+    assert metric(m, "zipage:programs_loaded_total") == 0.0
+    assert metric(m, "zipage:no_such_metric") is None and metric(None, "zipage:programs_ready") is None
+    snapshot = server_metric_snapshot(m)
     assert snapshot["zipage:compile_seconds_total"] == 29.5 and snapshot["zipage:warmup_done"] is None
-    assert set(snapshot) == set(bs.SERVER_METRICS)
+    assert set(snapshot) == set(SERVER_METRICS)
 
 
 def test_grid_done_prefers_warmup_done_then_counts_and_is_none_without_a_grid():
-    m = bs.parse_metrics(METRICS)
-    assert bs.grid_done(m) is False  # 4 of 6 grid programs (programs_ready 11 counts stages: not used)
-    assert bs.grid_done({**m, "zipage:warmup_programs_ready": 6.0}) is True
-    assert bs.grid_done({**m, "zipage:warmup_done": 0.0, "zipage:warmup_programs_ready": 6.0}) is False
-    assert bs.grid_done({**m, "zipage:warmup_done": 1.0}) is True
+    m = parse_metrics(METRICS)
+    assert grid_done(m) is False  # 4 of 6 grid programs (programs_ready 11 counts stages: not used)
+    assert grid_done({**m, "zipage:warmup_programs_ready": 6.0}) is True
+    assert grid_done({**m, "zipage:warmup_done": 0.0, "zipage:warmup_programs_ready": 6.0}) is False
+    assert grid_done({**m, "zipage:warmup_done": 1.0}) is True
     older = {"zipage:programs_ready": 6.0, "zipage:warmup_programs_total": 6.0}  # the brief's metrics only
-    assert bs.grid_done(older) is True and bs.grid_done({**older, "zipage:programs_ready": 5.0}) is False
-    assert bs.grid_done({**m, "zipage:warmup_programs_total": 0.0}) is None  # --no-warmup
-    assert bs.grid_done(bs.parse_metrics('vllm:num_requests_running{model_name="x"} 0.0')) is None
-    assert bs.grid_done(None) is None
+    assert grid_done(older) is True and grid_done({**older, "zipage:programs_ready": 5.0}) is False
+    assert grid_done({**m, "zipage:warmup_programs_total": 0.0}) is None  # --no-warmup
+    assert grid_done(parse_metrics('vllm:num_requests_running{model_name="x"} 0.0')) is None
+    assert grid_done(None) is None
 
 
 def test_goals_value_limit_and_met_per_tree():
-    assert bs.evaluate_goal(None, 5.0) == {"value": None, "goal": 5.0, "met": None}
-    assert bs.evaluate_goal(4.0, 5.0)["met"] is True and bs.evaluate_goal(6.0, 5.0)["met"] is False
-    assert bs.evaluate_goal(1.0, 2.0, ok=False)["met"] is False
+    assert evaluate_goal(None, 5.0) == {"value": None, "goal": 5.0, "met": None}
+    assert evaluate_goal(4.0, 5.0)["met"] is True and evaluate_goal(6.0, 5.0)["met"] is False
+    assert evaluate_goal(1.0, 2.0, ok=False)["met"] is False
     results = {
         "warmup": {"current": {"cold": {"ok": True, "ready_at_s": 40.0},
                                "warm": {"runs": [{"ok": True}], "median": {"ready_at_s": 4.0}}},
@@ -89,8 +98,8 @@ def test_goals_value_limit_and_met_per_tree():
                    "baseline": {"cold": {"ok": True, "grid_done_s": 200.0, "ttft_p50_s": 0.5,
                                          "all_succeeded": True}}},
     }
-    goals = bs.evaluate_goals(results, {"current": None, "baseline": None})
-    assert list(goals) == [g.name for g in bs.GOALS]
+    goals = evaluate_goals(results, {"current": None, "baseline": None})
+    assert list(goals) == [g.name for g in GOALS]
     for goal in goals.values():
         assert {"goal", "unit", "what", "from", "current", "baseline"} <= set(goal)
         assert set(goal["current"]) == {"value", "goal", "met"}
@@ -103,14 +112,14 @@ def test_goals_value_limit_and_met_per_tree():
     assert goals["cold_start_to_warmed_server_s"]["current"]["met"] is True
     assert goals["new_server_ttft_p50_s"]["current"]["met"] is False  # a stream failed
     assert goals["new_server_ttft_p50_s"]["baseline"]["met"] is True
-    assert bs.evaluate_goals(results, {"current": None})["new_server_ttft_p50_s"]["baseline"] is None
+    assert evaluate_goals(results, {"current": None})["new_server_ttft_p50_s"]["baseline"] is None
 
 
 def test_median_fields_over_successful_runs_numbers_only():
     runs = [{"ok": True, "a": 1.0, "b": 10, "flag": True, "text": "x"}, {"ok": True, "a": 3.0, "b": None},
             {"ok": True, "a": 2.0}, {"ok": False, "a": 100.0}]
-    assert bs.median_fields(runs) == {"a": 2.0, "b": 10}
-    assert bs.median_fields([{"ok": False, "a": 1.0}]) == {}
+    assert median_fields(runs) == {"a": 2.0, "b": 10}
+    assert median_fields([{"ok": False, "a": 1.0}]) == {}
 
 
 def _record(name, key, origin, trace=0.0, lower=0.0, compile_=0.0, load=0.0):
@@ -124,16 +133,16 @@ def test_summarize_records_by_kind_and_origin():
                _record("forward", ("prefill rows", 4), "loaded", load=0.05),
                _record("compression", ("batch", 8, "blocks", 64), "compiled", 0.5, 0.5, 3.0),
                _record("history", ("tokens", 64), "loaded", load=0.01)]
-    s = bs.summarize_records(records)
+    s = summarize_records(records)
     assert (s["total"], s["compiled"], s["loaded"]) == (5, 3, 2)
-    assert set(s["by_kind"]) == set(bs.KINDS)
+    assert set(s["by_kind"]) == set(KINDS)
     decode = s["by_kind"]["forward_decode"]
     assert decode["programs"] == 2 and decode["compiled"] == 2 and decode["loaded"] == 0
     assert decode["trace_s"] == pytest.approx(0.4) and decode["compile_s"] == pytest.approx(3.0)
     assert decode["total_s"] == pytest.approx(3.7)
     assert s["by_kind"]["forward_prefill"]["load_s"] == pytest.approx(0.05)
     assert s["seconds"] == pytest.approx(3.7 + 0.05 + 4.0 + 0.01)
-    assert bs.summarize_records([])["total"] == 0
+    assert summarize_records([])["total"] == 0
 
 
 def test_program_summary_of_a_runner_without_records_counts_compile_seconds():
@@ -142,70 +151,75 @@ def test_program_summary_of_a_runner_without_records_counts_compile_seconds():
                                                                                       ("prefill rows", 2): 3.0}),
                              compressor=SimpleNamespace(name="compression", compile_seconds={}),
                              seeder=SimpleNamespace(name="history", compile_seconds={("tokens", 64): 0.5}))
-    s = bs.program_summary(runner)
+    s = program_summary(runner)
     assert s["total"] == 3 and s["compiled"] is None and s["loaded"] is None and s["seconds"] == 5.5
     assert s["by_kind"]["forward_prefill"]["total_s"] == 3.0 and s["by_kind"]["history"]["programs"] == 1
     assert s["by_kind"]["forward_decode"]["compile_s"] is None  # no per-stage timing
-    assert bs.program_summary(SimpleNamespace(records=[_record("history", ("tokens", 64), "loaded")]))["loaded"] == 1
+    assert program_summary(SimpleNamespace(records=[_record("history", ("tokens", 64), "loaded")]))["loaded"] == 1
 
 
 def test_select_subset_and_extrapolate():
     keys = ([("decode rows", r) for r in (1, 2, 4, 8)] + [("prefill rows", r) for r in (1, 2)]
             + [("batch", b, "blocks", w) for b in (1, 2) for w in (2, 4, 8)] + [("tokens", n) for n in (64, 128)])
-    assert bs.select_subset(keys) == [("decode rows", 1), ("decode rows", 8), ("prefill rows", 2),
+    assert select_subset(keys) == [("decode rows", 1), ("decode rows", 8), ("prefill rows", 2),
                                       ("batch", 2, "blocks", 8), ("tokens", 128)]
-    assert bs.select_subset([("decode rows", 1)]) == [("decode rows", 1)]
+    assert select_subset([("decode rows", 1)]) == [("decode rows", 1)]
     programs = [{"kind": "forward_decode", "build_s": 2.0}, {"kind": "forward_decode", "build_s": 4.0},
                 {"kind": "compression", "build_s": 1.0}]
-    e = bs.extrapolate(keys, programs)
+    e = extrapolate(keys, programs)
     assert e["per_kind"]["forward_decode"] == {"grid_programs": 4, "measured": 2, "mean_s": 3.0, "estimated_s": 12.0}
     assert e["per_kind"]["compression"]["estimated_s"] == 6.0
     assert e["per_kind"]["history"]["estimated_s"] is None and e["estimated_grid_s"] is None
-    assert bs.extrapolate(keys[:4], programs)["estimated_grid_s"] == 12.0
+    assert extrapolate(keys[:4], programs)["estimated_grid_s"] == 12.0
 
 
-def test_options_flags_and_arguments():
-    assert bs.parse_option("max_num_seqs=8") == ("max_num_seqs", 8)
-    assert bs.parse_option("kv-cache-dtype=int8") == ("kv_cache_dtype", "int8")
-    assert bs.parse_option("enable_prefix_caching=false") == ("enable_prefix_caching", False)
-    assert bs.server_flags({"kvcache_block_size": 32, "enable_prefix_caching": False, "warmup": True,
-                            "max_model_len": None}) == ["--kvcache-block-size", "32", "--no-enable-prefix-caching",
-                                                        "--warmup"]
-    args = bs.parse_args([])
+def test_options_flags_and_arguments(bench_args):
+    assert startup.parse_option("max_num_seqs=8") == ("max_num_seqs", 8)
+    assert startup.parse_option("kv-cache-dtype=int8") == ("kv_cache_dtype", "int8")
+    assert startup.parse_option("enable_prefix_caching=false") == ("enable_prefix_caching", False)
+    assert startup.server_flags({"kvcache_block_size": 32, "enable_prefix_caching": False, "warmup": True,
+                                 "max_model_len": None}) == ["--kvcache-block-size", "32",
+                                                             "--no-enable-prefix-caching", "--warmup"]
+    args = startup.with_defaults(bench_args("startup"))
     assert (args.runs, args.streams, args.stream_tokens, args.baseline) == (3, 64, 16, "09dcce3")
     assert args.engine_options == {} and args.skip == set() and args.timeout == 1800
-    args = bs.parse_args(["--quick", "--baseline", "none", "--skip", "server,qwen3_8b", "--skip", "warmup",
-                          "--option", "max_num_seqs=3"])
+    args = startup.with_defaults(bench_args("startup", "--quick", "--baseline", "none", "--skip", "server,qwen3_8b",
+                                            "--skip", "warmup", "--option", "max_num_seqs=3"))
     assert (args.runs, args.streams, args.stream_tokens, args.baseline) == (1, 8, 4, None)
     assert args.skip == {"server", "qwen3_8b", "warmup"}
-    assert args.engine_options == {**bs.QUICK_OPTIONS, "max_num_seqs": 3}
+    assert args.engine_options == {**startup.QUICK_OPTIONS, "max_num_seqs": 3}
     for bad in (["--skip", "nope"], ["--option", "novalue"], ["--runs", "0"]):
         with pytest.raises(SystemExit):
-            bs.parse_args(bad)
+            startup.with_defaults(bench_args("startup", *bad))
+
+
+def test_serve_command_of_a_tree_with_and_without_the_console_script(tmp_path):
+    assert startup.serve_command(startup.Tree("current", ROOT, "test"))[1:] == ["-m", "zipage_jax", "serve"]
+    older = startup.Tree("baseline", tmp_path, "test")  # a commit before zipage_jax/cli.py
+    assert startup.serve_command(older)[1:] == [str(tmp_path / "scripts" / "serve_jax.py")]
 
 
 def test_stop_process_terminates_then_kills():
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    assert bs.stop_process(proc, grace=10) == {"returncode": -15, "killed": False}
+    assert startup.stop_process(proc, grace=10) == {"returncode": -15, "killed": False}
     stubborn = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, "
                                  "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
                                 stdout=subprocess.PIPE, text=True)
     assert stubborn.stdout.readline().strip() == "ready"
-    assert bs.stop_process(stubborn, grace=0.5) == {"returncode": -9, "killed": True}
+    assert startup.stop_process(stubborn, grace=0.5) == {"returncode": -9, "killed": True}
 
 
-# -- the server client against canned responses -------------------------------------------------------
+# -- the server probe against canned responses --------------------------------------------------------
 
 
 def _sse(*events) -> bytes:
     return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
 
 
-def _bench(tmp_path, *argv) -> bs.Bench:
-    return bs.Bench(bs.parse_args(["--quick", "--baseline", "none", *argv]), tmp_path, {})
+PROBE = ServerProbe(streams=8, stream_tokens=4, timeout=300.0)  # --quick's
 
 
-def test_stream_ttft_success_and_failures(tmp_path):
+def test_stream_ttft_success_and_failures():
     bodies = {
         "0": (200, _sse({"choices": [{"text": ""}]}, {"choices": [{"text": " Paris"}]}, {"choices": [{"text": "."}]},
                         "[DONE]")),
@@ -222,11 +236,9 @@ def test_stream_ttft_success_and_failures(tmp_path):
         status, content = bodies[number]
         return httpx.Response(status, content=content)
 
-    bench = _bench(tmp_path)
-
     async def run():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return [await bench._stream(client, "http://test", i) for i in range(4)]
+            return [await PROBE.stream(client, "http://test", i) for i in range(4)]
 
     ok, refused, failed, cut = asyncio.run(run())
     assert ok["ok"] and ok["chunks"] == 3 and ok["error"] is None and 0 <= ok["ttft_s"] <= ok["seconds"]
@@ -235,32 +247,33 @@ def test_stream_ttft_success_and_failures(tmp_path):
     assert not cut["ok"] and "[DONE]" in cut["error"]
     assert all(b["stream"] is True and b["temperature"] == 0 and b["max_tokens"] == 4 for b in seen)
     assert len({b["prompt"] for b in seen}) == 4
-    summary = bs.stream_summary([ok, refused, failed, cut])
+    summary = stream_summary([ok, refused, failed, cut])
     assert summary["streams"] == 4 and summary["succeeded"] == 1 and summary["all_succeeded"] is False
     assert summary["ttft_p50_s"] == ok["ttft_s"] and len(summary["errors"]) == 3
-    assert bs.stream_summary([ok])["all_succeeded"] is True and bs.stream_summary([])["all_succeeded"] is False
+    assert stream_summary([ok])["all_succeeded"] is True and stream_summary([])["all_succeeded"] is False
 
     async def never_answers(request):
         await asyncio.sleep(30)
 
     async def bounded():
         async with httpx.AsyncClient(transport=httpx.MockTransport(never_answers)) as client:
-            return await bench._bounded_stream(client, "http://test", 0, bs.time.monotonic() + 0.1)
+            return await PROBE.bounded_stream(client, "http://test", 0, time.monotonic() + 0.1)
 
     late = asyncio.run(bounded())
     assert not late["ok"] and "not finished" in late["error"]
 
 
-def test_a_worker_past_its_timeout_is_stopped_and_reported(tmp_path):
-    bench = _bench(tmp_path, "--timeout", "0.3")
+def test_a_worker_past_its_timeout_is_stopped_and_reported(tmp_path, bench_args):
+    args = startup.with_defaults(bench_args("startup", "--quick", "--baseline", "none", "--timeout", "0.3"))
+    bench = startup.Bench(args, tmp_path, {})
     cache = tmp_path / "cache"
     cache.mkdir()
-    result = bench.worker("convert", bs.Tree("current", ROOT, "test"), cache, "once")
+    result = bench.worker("convert", startup.Tree("current", ROOT, "test"), cache, "once")
     assert not result["ok"] and result["error"] == "timed out after 0.3 s" and result["returncode"] is not None
     assert bench.errors == ["convert current once: timed out after 0.3 s"]
 
 
-def test_poll_grid_until_done_or_no_grid(tmp_path):
+def test_poll_grid_until_done_or_no_grid():
     scrapes = iter(['zipage:warmup_programs_total{model_name="b"} 6\nzipage:warmup_programs_ready{model_name="b"} 2',
                     'zipage:warmup_programs_total{model_name="b"} 6\nzipage:warmup_programs_ready{model_name="b"} 6\n'
                     'zipage:programs_loaded_total{model_name="b"} 6'])
@@ -268,11 +281,9 @@ def test_poll_grid_until_done_or_no_grid(tmp_path):
     def growing(request):
         return httpx.Response(200, text=next(scrapes))
 
-    bench = _bench(tmp_path)
-
     async def poll(handler, timeout):
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await bench._poll_grid(client, "http://test", 0.0, bs.time.monotonic() + timeout, give_up_s=0.5)
+            return await PROBE.poll_grid(client, "http://test", 0.0, time.monotonic() + timeout, give_up_s=0.5)
 
     done = asyncio.run(poll(growing, 30))
     assert done["grid_done_from"] == "metrics" and done["grid_done_s"] > 0
@@ -296,7 +307,7 @@ def _check_common(out: dict, sections: set[str]):
     conversion = out["conversion"]["current"]
     assert conversion["ok"] and conversion["seconds"] > 0 and not conversion["from_cache"]
     assert len(conversion["entries"]) == 1
-    assert list(out["goals"]) == [g.name for g in bs.GOALS]
+    assert list(out["goals"]) == [g.name for g in GOALS]
     for goal in out["goals"].values():
         assert goal["baseline"] is None and set(goal["current"]) == {"value", "goal", "met"}
     for section in ("first_token", "warmup", "server", "qwen3_8b"):
@@ -315,13 +326,13 @@ def _check_runs(section: dict, key: str):
     return cold, run
 
 
-def test_quick_first_token_cold_compiles_and_warm_loads(llama_dir, capsys):
+def test_quick_first_token_cold_compiles_and_warm_loads(llama_dir, bench_args, last_json):
     argv = ["--quick", "--model", llama_dir, "--baseline", "none", "--skip", "warmup,server,qwen3_8b", "--json"]
-    assert bs.main(argv) == 0
-    out = last_json(capsys.readouterr().out)
+    assert startup.run(bench_args("startup", *argv)) == 0
+    out = last_json()
     _check_common(out, {"first_token"})
     section = out["first_token"]
-    assert section["prompt"] == bs.PROMPT and section["max_tokens"] == 8
+    assert section["prompt"] == startup.PROMPT and section["max_tokens"] == 8
     cold, warm = _check_runs(section, "first_token_at_s")
     for run in (cold, warm):
         assert run["tokens"] == 8 and run["engine_construction_s"] > 0
@@ -334,14 +345,14 @@ def test_quick_first_token_cold_compiles_and_warm_loads(llama_dir, capsys):
 
 
 @pytest.mark.slow
-def test_quick_all_sections(llama_dir, capsys):
-    assert bs.main(["--quick", "--model", llama_dir, "--baseline", "none", "--json"]) == 0
-    out = last_json(capsys.readouterr().out)
+def test_quick_all_sections(llama_dir, bench_args, last_json):
+    assert startup.run(bench_args("startup", "--quick", "--model", llama_dir, "--baseline", "none", "--json")) == 0
+    out = last_json()
     _check_common(out, {"first_token", "warmup", "server", "qwen3_8b"})
     cold, warm = _check_runs(out["warmup"], "ready_at_s")
     assert cold["grid_programs"] == warm["grid_programs"] > 0
     assert cold["programs_total"] >= cold["grid_programs"] and cold["warmup_status"]["done"]
-    for kind in bs.KINDS:
+    for kind in KINDS:
         row = cold["by_kind"][kind]
         assert row["compiled"] == row["programs"] > 0 and row["compile_s"] > 0 and row["load_s"] == 0
         assert warm["by_kind"][kind]["loaded"] == warm["by_kind"][kind]["programs"] > 0
@@ -365,7 +376,7 @@ def test_quick_all_sections(llama_dir, capsys):
     current = qwen3["current"]
     assert current["ok"] and current["backend"] == "cpu" and current["grid"]["size"] > len(current["programs"])
     assert [p["kind"] for p in current["programs"]].count("forward_decode") == 2
-    assert {p["kind"] for p in current["programs"]} == set(bs.KINDS)
+    assert {p["kind"] for p in current["programs"]} == set(KINDS)
     for p in current["programs"]:
         assert p["build_s"] > 0 and p["compile_s"] > 0 and p["origins"] == ["compiled"]
     assert current["extrapolated"]["estimated_grid_s"] > 0
@@ -378,13 +389,13 @@ def _has_commit(commit: str) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_commit(bs.DEFAULT_BASELINE), reason="the baseline commit is not in this clone")
-def test_quick_against_the_baseline_worktree(llama_dir, capsys):
+@pytest.mark.skipif(not _has_commit(startup.DEFAULT_BASELINE), reason="the baseline commit is not in this clone")
+def test_quick_against_the_baseline_worktree(llama_dir, bench_args, last_json):
     argv = ["--quick", "--model", llama_dir, "--skip", "warmup,server,baseline_no_warmup", "--json"]
-    assert bs.main(argv) == 0
-    out = last_json(capsys.readouterr().out)
+    assert startup.run(bench_args("startup", *argv)) == 0
+    out = last_json()
     assert out["errors"] == [] and set(out["trees"]) == {"current", "baseline"}
-    assert out["trees"]["baseline"]["requested"] == bs.DEFAULT_BASELINE
+    assert out["trees"]["baseline"]["requested"] == startup.DEFAULT_BASELINE
     base = out["first_token"]["baseline"]
     assert base["cold"]["ok"] and "baseline-tree" in base["cold"]["zipage_jax"]
     assert base["cold"]["programs"]["source"].startswith("compile_seconds") and base["cold"]["programs_total"] > 0

@@ -1,6 +1,6 @@
 """This engine vs HF transformers `generate` (and llama.cpp when installed) on the same model.
 
-    python scripts/bench_engine.py [--model default] [--batches 1 16 64] [--new-tokens 64] [--runs 3] [--json]
+    zipage-jax bench engine [--model default] [--batches 1 16 64] [--new-tokens 64] [--runs 3] [--json] [--out PATH]
 
 Greedy decoding of a fixed number of new tokens (EOS ignored) for a batch of prompts; output
 tokens per second, median of --runs timed runs after one warm-up (which also compiles), the
@@ -14,11 +14,11 @@ the ratios against HF.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
+
+from zipage_jax.bench.common import add_output_arguments, build_llm, emit, log, median_seconds
 
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time"
 
@@ -65,8 +65,9 @@ def matmul_floor_seconds(llm, batch: int, runs: int = 10) -> float:
     import jax.numpy as jnp
 
     model = llm.engine.loaded.model
-    layers = [(l.self_attn.qkv_proj.kernel[...], l.self_attn.o_proj.kernel[...], l.mlp.gate_proj.kernel[...],
-               l.mlp.up_proj.kernel[...], l.mlp.down_proj.kernel[...]) for l in model.layers]
+    layers = [(layer.self_attn.qkv_proj.kernel[...], layer.self_attn.o_proj.kernel[...],
+               layer.mlp.gate_proj.kernel[...], layer.mlp.up_proj.kernel[...], layer.mlp.down_proj.kernel[...])
+              for layer in model.layers]
     head = (model.embed_tokens if model.lm_head is None else model.lm_head).weight[...]
 
     @jax.jit
@@ -78,12 +79,7 @@ def matmul_floor_seconds(llm, batch: int, runs: int = 10) -> float:
 
     x = jnp.full((batch, head.shape[1]), 0.01, model.dtype)
     chain(x, layers, head).block_until_ready()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        chain(x, layers, head).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(lambda: chain(x, layers, head).block_until_ready(), runs)
 
 
 def bench_batch(llm, hf, batch: int, new_tokens: int, runs: int) -> dict:
@@ -116,48 +112,39 @@ def bench_llama_cpp(gguf_path: str, new_tokens: int, runs: int) -> float | None:
         return None
     llm = Llama(model_path=gguf_path, n_ctx=512, n_threads=os.cpu_count(), verbose=False)
     llm(PROMPT, max_tokens=4, temperature=0)
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
+
+    def generate() -> None:
         out = llm(PROMPT, max_tokens=new_tokens, temperature=0, ignore_eos=True)
-        times.append(time.perf_counter() - start)
         assert out["usage"]["completion_tokens"] == new_tokens
-    return new_tokens / statistics.median(times)
+
+    return new_tokens / median_seconds(generate, runs)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description, parser.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     parser.add_argument("--model", default="default")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    add_output_arguments(parser)
 
-    from zipage_jax import LLM
+
+def run(args: argparse.Namespace) -> int:
     from zipage_jax.crosscheck.reference import load_reference_model
 
-    llm = LLM(args.model, max_num_seqs=max(args.batches), kvcache_block_size=32, warmup=True)
+    llm = build_llm(args.model, max_num_seqs=max(args.batches), kvcache_block_size=32, warmup=True)
     source = str(llm.engine.loaded.source)
     results: dict = {"model": source, "new_tokens": args.new_tokens, "runs": args.runs, "batches": {}}
     hf = None if args.skip_hf else load_reference_model(source)
     for batch in args.batches:
         row = bench_batch(llm, hf, batch, args.new_tokens, args.runs)
         results["batches"][str(batch)] = row
-        print(f"batch {batch:3d}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), file=sys.stderr)
+        log(f"batch {batch:3d}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     if source.endswith(".gguf"):
         cpp = bench_llama_cpp(source, args.new_tokens, args.runs)
         if cpp is not None:
             results["llama_cpp_tok_s_batch1"] = cpp
             if "1" in results["batches"]:
                 results["batches"]["1"]["ratio_vs_llama_cpp"] = results["batches"]["1"]["zipage_tok_s"] / cpp
-    from zipage_jax.run_info import run_info
-
-    results["run"] = run_info()
-    print(json.dumps(results) if args.json else json.dumps(results, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return emit(results, args)

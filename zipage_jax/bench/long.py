@@ -1,11 +1,11 @@
 """Long generations on one KV pool: step time (host and device), and compiles per window of
 generated tokens, with a KV budget and with full KV side by side, repeated to measure the noise.
 
-    python scripts/bench_long.py [--preset attention | default-4k | quick | default] [--quick] [--json]
+    zipage-jax bench long [--preset attention | default-4k | quick | default] [--quick] [--json] [--out PATH]
         [--repeats K] [--model default | random-qwen3 | random-qwen3-tiny | PATH] [--requests 32]
         [--max-tokens 4096] [--budget 256] [--window 512] [--prompt-len 64 256] [--repetition-penalty 1.1]
         [engine options, e.g. --kv-cache-dtype int8]
-    python scripts/bench_long.py --resummarize saved.json [--json]
+    zipage-jax bench long --resummarize saved.json [--json]
 
 Workload: N requests, prompts cut from the standard library's argparse.py (no shared prefixes),
 each generating --max-tokens tokens greedily with EOS ignored; every other request has a
@@ -21,7 +21,7 @@ step time shows what attention over a growing context costs.
 Both engines first compile every program they can reach (`LLMEngine.warmup`, untimed, once);
 then each repeat (--repeats K) adds the N requests to both engines again and steps them
 interleaved in turns of 16 steps, the engine with fewer generated tokens taking the next turn
-(as in bench_throughput.py), so both see the same load on a shared machine; a turn ends with a
+(as in `zipage-jax bench throughput`), so both see the same load on a shared machine; a turn ends with a
 wait for the engine's dispatched work, added to its last step. Every repeat runs the same prompts
 on the same (warm) engines, so prefix caching is off unless --enable-prefix-caching is given
 (a repeat would otherwise find the previous one's prompts cached and skip their prefill).
@@ -69,12 +69,12 @@ compiles_by_window and steps_by_window: sums), the ratios above, totals over the
 (compiles_after_warmup, preemptions, compressions, tokens_per_s, host_share, ...), and
 "repeats": each repeat's own lists and totals; then "goals", the pool (blocks, bytes per block),
 the model (and "model_config" for a random one), the workload, the machine's load average at
-the start, "run_start" (zipage_jax/run_info.py at the start: the commit measured) and "run" (the
+the start, "run_start" (the run record at the start: the commit measured) and "run" (the
 same at the end: commit, date, load average at the end).
 
 Models: a name or path `load_model` knows ("default": SmolLM2-135M), or a random-initialised
-Qwen3-shaped model built here with a byte tokenizer (scripts/bench_gpu.py's random_model and
-ByteTokenizer; nothing is downloaded): "random-qwen3" (RANDOM_MODELS: 4 layers, 8 query / 2 KV
+Qwen3-shaped model with a byte tokenizer (zipage_jax/bench/random_model.py; nothing is
+downloaded): "random-qwen3" (RANDOM_MODELS: 4 layers, 8 query / 2 KV
 heads, head dim 64, hidden 512, MLP 1024, vocabulary 256), small enough that attention over a
 long context dominates its step on a CPU (full KV, 8 rows, 2 shared cores: 4-8 ms a step at 256
 tokens of context, 30-75 ms at 8,192; hidden 768 / MLP 2048 was 16 ms at 256), and
@@ -96,28 +96,34 @@ Presets (--preset, --quick = --preset quick; flags override their fields):
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import bench_gpu  # noqa: E402
-import bench_throughput as bt  # noqa: E402
-from zipage_jax.run_info import run_info  # noqa: E402
+from zipage_jax.bench.common import add_output_arguments, emit, log, run_record, usage_error
+from zipage_jax.bench.random_model import QWEN3_8B, TINY_QWEN3, random_model
+from zipage_jax.bench.stepping import EngineRun, drive, warm_up
+from zipage_jax.bench.workload import (
+    Workload,
+    add_workload_arguments,
+    engine_config,
+    make_prompts,
+    size_pools,
+    workload_overrides,
+)
 
 FLAT_TOLERANCE = 0.10  # the compressed run's last window within 10% of its first full window
 HOST_SHARE_GOAL = 0.10
 
-# random-initialised models (scripts/bench_gpu.py random_model, ModelConfig fields): Qwen3's
+# random-initialised models (random_model.py, ModelConfig fields): Qwen3's
 # architecture (GQA, q/k norms) at sizes where attention over a long context dominates a CPU step
 RANDOM_MODELS = {
-    "random-qwen3": {**bench_gpu.QWEN3_8B, "vocab_size": 256, "hidden_size": 512, "intermediate_size": 1024,
+    "random-qwen3": {**QWEN3_8B, "vocab_size": 256, "hidden_size": 512, "intermediate_size": 1024,
                      "num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64},
-    "random-qwen3-tiny": {**bench_gpu.TINY_QWEN3, "vocab_size": 256},
+    "random-qwen3-tiny": {**TINY_QWEN3, "vocab_size": 256},
 }
 
 
@@ -139,8 +145,8 @@ class LongWorkload:
     model: str = "default"  # a load_model name or path, or a RANDOM_MODELS name
     seed: int = 0
 
-    def pool_workload(self) -> bt.Workload:
-        """The same requests as bench_throughput's workload (prompts, pool sizing and checks)."""
+    def pool_workload(self) -> Workload:
+        """The same requests as `bench throughput`'s workload (prompts, pool sizing and checks)."""
         if self.budget_tokens < self.block_size or self.budget_tokens % self.block_size:
             raise ValueError(f"the budget ({self.budget_tokens} tokens) must be a multiple of the block size "
                              f"({self.block_size})")
@@ -151,7 +157,7 @@ class LongWorkload:
         pool = self.pool_blocks
         if pool is None and self.pool_holds_full_kv:
             pool = self.requests * -(-(self.prompt_len_max + self.max_tokens) // self.block_size) + 1
-        return bt.Workload(requests=self.requests, prompt_len_min=self.prompt_len_min,
+        return Workload(requests=self.requests, prompt_len_min=self.prompt_len_min,
                            prompt_len_max=self.prompt_len_max, max_tokens=self.max_tokens,
                            block_size=self.block_size, budget_blocks=self.budget_tokens // self.block_size,
                            pool_blocks=pool, seed=self.seed)
@@ -187,7 +193,7 @@ class StepRecord:
     running: int
 
 
-class WindowedRun(bt.EngineRun):
+class WindowedRun(EngineRun):
     """One engine through one repeat of the workload, one step at a time, each step recorded in its window."""
 
     def __init__(self, name: str, engine, prompts: list[list[int]], workload: LongWorkload, log=None):
@@ -302,7 +308,7 @@ def aggregate(repeats: list[dict], first_full: int | None) -> dict:
     last / first-full-window ratios, and totals."""
     def across(key: str, fn) -> list:
         out = []
-        for values in zip(*(r[key] for r in repeats)):
+        for values in zip(*(r[key] for r in repeats), strict=True):
             present = [v for v in values if v is not None]
             out.append(fn(present) if present else None)
         return out
@@ -350,7 +356,7 @@ def paired(compressed: dict, full: dict) -> list:
     out = []
     for k in range(len(full["step_ms_by_window"])):
         ratios = [f["step_ms_by_window"][k] / c["step_ms_by_window"][k]
-                  for c, f in zip(compressed["repeats"], full["repeats"])
+                  for c, f in zip(compressed["repeats"], full["repeats"], strict=True)
                   if c["step_ms_by_window"][k] and f["step_ms_by_window"][k]]
         out.append(statistics.median(ratios) if ratios else None)
     return out
@@ -413,11 +419,11 @@ def summarize_repeats(repeats: dict[str, list[dict]], warm: dict[str, dict]) -> 
 
 def resummarize(summary: dict) -> dict:
     """A saved run's summary with its aggregates and goals computed again from its repeats (by this
-    version of the script: "resummarized" holds its run_info; "run" stays the measurement's)."""
+    version of the benchmark: "resummarized" holds its run record; "run" stays the measurement's)."""
     repeats = {name: summary[name]["repeats"] for name in ("compressed", "full")}
     warm = {name: {k: summary[name][k] for k in ("warmup_seconds", "warmup_programs_compiled")}
             for name in repeats}
-    return {**summary, **summarize_repeats(repeats, warm), "resummarized": run_info()}
+    return {**summary, **summarize_repeats(repeats, warm), "resummarized": run_record()}
 
 
 def load(model: str, dtype: str | None):
@@ -426,19 +432,19 @@ def load(model: str, dtype: str | None):
         import jax
 
         dtype = dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")  # the engine's default
-        return bench_gpu.random_model(RANDOM_MODELS[model], dtype)
+        return random_model(RANDOM_MODELS[model], dtype)
     from zipage_jax.models.loading import load_model
 
     return load_model(model, dtype=dtype)
 
 
-def run(workload: LongWorkload, model: str | None = None, options: dict | None = None, loaded=None,
-        log=None) -> dict:
+def run_long(workload: LongWorkload, model: str | None = None, options: dict | None = None, loaded=None,
+             log=None) -> dict:
     """Both engines, warmed once, through `workload.repeats` interleaved repeats; returns the summary dict."""
     from zipage_jax.engine.llm_engine import LLMEngine
 
     load_start = os.getloadavg()
-    start_info = run_info()  # the code measured: the commit may move on while a long run runs
+    start_info = run_record()  # the code measured: the commit may move on while a long run runs
     wall = time.perf_counter()
     model = model or workload.model
     options = {"enable_prefix_caching": False, **(options or {})}  # every repeat runs the same prompts
@@ -446,13 +452,13 @@ def run(workload: LongWorkload, model: str | None = None, options: dict | None =
     pooled = workload.pool_workload()
     pooled.check()
     loaded = loaded or load(model, options.get("dtype"))
-    pool = bt.size_pools(pooled, loaded, [kv_cache_dtype], options.get("tensor_parallel_size", 1))[kv_cache_dtype]
-    prompts = bt.make_prompts(loaded.tokenizer, pooled)
+    pool = size_pools(pooled, loaded, [kv_cache_dtype], options.get("tensor_parallel_size", 1))[kv_cache_dtype]
+    prompts = make_prompts(loaded.tokenizer, pooled)
     engines, warm = {}, {}
     for name, compressed in (("compressed", True), ("full", False)):
-        engines[name] = LLMEngine(bt.engine_config(model, pooled, compressed, options, pool, scoring={}),
+        engines[name] = LLMEngine(engine_config(model, pooled, compressed, options, pool, scoring={}),
                                   loaded=loaded)
-        warm[name] = bt.warm_up(engines[name])
+        warm[name] = warm_up(engines[name])
         if log:
             log(f"{name}: warm-up {warm[name]['warmup_seconds']:.1f}s "
                 f"({warm[name]['warmup_programs_compiled']} programs compiled)")
@@ -461,7 +467,7 @@ def run(workload: LongWorkload, model: str | None = None, options: dict | None =
         if log and workload.repeats > 1:
             log(f"repeat {r + 1} of {workload.repeats}")
         runs = [WindowedRun(name, engine, prompts, workload, log) for name, engine in engines.items()]
-        bt.drive(runs, interleave=True)
+        drive(runs, interleave=True)
         repeats.append({run.name: run.summary() for run in runs})  # before the next repeat moves the stats on
     summary = {
         **summarize_repeats({name: [rep[name] for rep in repeats] for name in engines}, warm),
@@ -475,7 +481,7 @@ def run(workload: LongWorkload, model: str | None = None, options: dict | None =
         "seconds": time.perf_counter() - wall,
         "load_average_start": load_start,
         "run_start": start_info,
-        "run": run_info(),  # its load_average is the one at the end
+        "run": run_record(),  # its load_average is the one at the end
     }
     if model in RANDOM_MODELS:
         summary["model_config"] = {k: v for k, v in RANDOM_MODELS[model].items() if k != "rope_scaling"}
@@ -496,7 +502,7 @@ def format_windows(name: str, row: dict, window: int) -> str:
              f"running mean {row['mean_running']:.2f} peak {row['peak_running']}; {reps} repeat(s); last / first "
              f"full window {'-' if c is None else f'{c:.3f}'} (by repeat "
              f"{', '.join('-' if x is None else f'{x:.3f}' for x in row['last_vs_first_full_by_repeat'])})",
-             f"  step, host, device: median over the repeats of each window's median per step [min-max], ms",
+             "  step, host, device: median over the repeats of each window's median per step [min-max], ms",
              f"{'window':>8} {'tokens':>12} {'steps':>6} {'step ms':>24} {'host ms':>24} {'device ms':>24} "
              f"{'mean ms':>8} {'tok/s':>8} {'compiles':>8}"]
     for k, step_ms in enumerate(row["step_ms_by_window"]):
@@ -512,10 +518,12 @@ def format_windows(name: str, row: dict, window: int) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None):
-    from zipage_jax.cli_options import add_engine_arguments, engine_options
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from zipage_jax.cli_options import add_engine_arguments
 
-    parser = bt.workload_parser(__doc__, "the quick preset (--preset quick)")
+    parser.description, parser.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
+    add_workload_arguments(parser, "the quick preset (--preset quick)")
+    add_output_arguments(parser)
     parser.add_argument("--preset", choices=list(PRESETS), help="the workload (default: default)")
     parser.add_argument("--repeats", type=int, help="interleaved runs of both engines (default: the preset's)")
     parser.add_argument("--budget", type=int, help="KV tokens kept per compressed sequence (whole blocks)")
@@ -525,20 +533,28 @@ def parse_args(argv: list[str] | None):
                         help="run nothing: recompute the aggregates and goals of FILE's last JSON line "
                              "from its repeats")
     add_engine_arguments(parser)  # --model, --kvcache-block-size, --num-kvcache-blocks, --kv-cache-dtype ...
-    args = parser.parse_args(argv)
+
+
+def settings(args: argparse.Namespace) -> tuple[LongWorkload, dict]:
+    """The workload (its model among its fields) and the other engine options of the flags; a usage
+    error for flags that do not go together."""
+    from zipage_jax.cli_options import engine_options
+
     options = engine_options(args)
     for name in ("max_cache_blocks_per_seq", "kvcache_memory_gb"):
         if name in options:
-            parser.error(f"--{name.replace('_', '-')}: the budget is --budget (tokens), the pool --num-kvcache-blocks")
+            usage_error("bench long", f"--{name.replace('_', '-')}: the budget is --budget (tokens), the pool "
+                                      "--num-kvcache-blocks")
     if not options.pop("warmup", True):
-        parser.error("--no-warmup: the windows must not hold compile time; both engines always warm up first")
+        usage_error("bench long", "--no-warmup: the windows must not hold compile time; both engines always warm up "
+                                  "first")
     if args.quick and args.preset not in (None, "quick"):
-        parser.error(f"--quick is --preset quick, not --preset {args.preset}")
+        usage_error("bench long", f"--quick is --preset quick, not --preset {args.preset}")
     if args.repeats is not None and args.repeats < 1:
-        parser.error("--repeats must be >= 1")
+        usage_error("bench long", "--repeats must be >= 1")
     preset = PRESETS["quick" if args.quick else args.preset or "default"]
     overrides = {
-        **bt.workload_overrides(args),
+        **workload_overrides(args),
         "budget_tokens": args.budget,
         "window": args.window,
         "repetition_penalty": args.repetition_penalty,
@@ -548,10 +564,10 @@ def parse_args(argv: list[str] | None):
         "pool_blocks": options.pop("num_kvcache_blocks", None),
     }
     workload = LongWorkload(**{**asdict(preset), **{k: v for k, v in overrides.items() if v is not None}})
-    return args, workload, workload.model, options
+    return workload, options
 
 
-def report(summary: dict, log) -> None:
+def report(summary: dict) -> None:
     p = summary["pool"]
     log(f"pool: {p['blocks']} blocks of {p['block_size']} tokens ({p['kv_dtype']}, {p['block_bytes']} bytes each, "
         f"{p['bytes'] / 2**20:.1f} MiB) for both runs; policy {summary['policy']}; model {summary['model']}")
@@ -561,27 +577,17 @@ def report(summary: dict, log) -> None:
         f"{summary['run']['load_average'][0]:.2f}; {summary['seconds']:.0f}s in all")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, workload, model, options = parse_args(argv)
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
+def run(args: argparse.Namespace) -> int:
+    workload, options = settings(args)
     if args.resummarize:
         with open(args.resummarize, encoding="utf-8") as f:
             summary = resummarize(json.loads(f.read().strip().splitlines()[-1]))
-        report(summary, log)
-        print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
-        return 0
+        report(summary)
+        return emit(summary, args)
     log(f"workload: {workload.requests} requests, prompts {workload.prompt_len_min}-{workload.prompt_len_max} "
         f"tokens, {workload.max_tokens} generated each (every other one with repetition penalty "
         f"{workload.repetition_penalty}), budget {workload.budget_tokens} tokens, windows of {workload.window}, "
-        f"{workload.repeats} repeat(s), model {model}; load average {os.getloadavg()[0]:.2f}")
-    summary = run(workload, model, options, log=log)
-    report(summary, log)
-    print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        f"{workload.repeats} repeat(s), model {workload.model}; load average {os.getloadavg()[0]:.2f}")
+    summary = run_long(workload, workload.model, options, log=log)
+    report(summary)
+    return emit(summary, args)

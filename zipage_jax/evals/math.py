@@ -1,8 +1,8 @@
 """Math accuracy (pass@1) and output tok/s with full KV and with Zipage, side by side (the paper's protocol).
 
-    python scripts/bench_math.py --data FILE.jsonl [--samples 4] [--max-tokens 4096] [--limit N] [--json]
+    zipage-jax eval math --data FILE.jsonl [--samples 4] [--max-tokens 4096] [--limit N] [--json]
         [--model default] [engine options, e.g. --max-cache-blocks-per-seq 8 --kvcache-block-size 256]
-    python scripts/bench_math.py --make-arithmetic N OUT.jsonl [--sample-seed 0]
+    zipage-jax eval math --make-arithmetic N OUT.jsonl [--sample-seed 0]
 
 FILE.jsonl: one problem a line, {"problem": "...", "answer": "..."} (AIME/AMC/GSM8K style; the
 answer a number or a LaTeX expression). Each problem is asked through the model's chat template
@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import sys
-import time
 import warnings
 from fractions import Fraction
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zipage_jax.bench.common import add_output_arguments, build_llm, emit, log, timed, usage_error
+from zipage_jax.cli_options import add_engine_arguments, engine_options
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 DEFAULT_BUDGET_BLOCKS = 8
@@ -153,12 +151,10 @@ def make_grader():
 def run_mode(llm, problems: list[dict], params, grade) -> dict:
     conversations = [[{"role": "user", "content": f"{p['problem']}\n{INSTRUCTION}"}] for p in problems]
     compiled = llm.engine.runner.compile_seconds
-    start = time.perf_counter()
-    results = llm.chat(conversations, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    results, wall = timed(lambda: llm.chat(conversations, params, use_tqdm=False))
     compiled = llm.engine.runner.compile_seconds - compiled
     correct, tokens, truncated = [], 0, 0
-    for problem, result in zip(problems, results):
+    for problem, result in zip(problems, results, strict=True):
         outs = result["outputs"]
         correct.append(sum(grade(problem["answer"], o["text"]) for o in outs) / len(outs))
         tokens += sum(len(o["token_ids"]) for o in outs)
@@ -180,38 +176,33 @@ def run_mode(llm, problems: list[dict], params, grade) -> dict:
     }
 
 
-def run(problems: list[dict], model: str, options: dict, samples: int, max_tokens: int, seed: int,
-        budget_blocks: int, log=None) -> dict:
-    from zipage_jax import LLM, EngineConfig, SamplingParams
-    from zipage_jax.engine.llm_engine import LLMEngine
-    from bench_throughput import RECOMMENDED_SCORING
+def compare(problems: list[dict], model: str, options: dict, samples: int, max_tokens: int, seed: int,
+            budget_blocks: int) -> dict:
+    """Full KV, then Zipage at `budget_blocks` per sequence with the recommended scoring, on one
+    loaded model: pass@1, throughput and their ratios."""
+    from zipage_jax import SamplingParams
+    from zipage_jax.bench.workload import RECOMMENDED_SCORING
 
     grader, grade = make_grader()
     params = SamplingParams(n=samples, temperature=0.6, top_p=0.95, max_tokens=max_tokens, seed=seed)
-    full_options = {**options, "max_cache_blocks_per_seq": None}
-    llm = LLM(model, **full_options)
+    llm = build_llm(model, **options, max_cache_blocks_per_seq=None)
     report = {"grader": grader, "problems": len(problems), "samples": samples, "max_tokens": max_tokens,
               "budget_blocks": budget_blocks, "model": str(llm.engine.loaded.source), "options": options}
     report["full"] = run_mode(llm, problems, params, grade)
-    if log:
-        log(f"  full: pass@1 {report['full']['pass_at_1']:.3f}, {report['full']['throughput']:.1f} tok/s")
+    log(f"  full: pass@1 {report['full']['pass_at_1']:.3f}, {report['full']['throughput']:.1f} tok/s")
     zipage_options = {**RECOMMENDED_SCORING, **options, "max_cache_blocks_per_seq": budget_blocks}
-    llm.engine = LLMEngine(EngineConfig.from_options(model=model, **zipage_options), loaded=llm.engine.loaded)
+    llm = build_llm(model, loaded=llm.engine.loaded, **zipage_options)
     report["zipage"] = run_mode(llm, problems, params, grade)
     report["budget_tokens"] = budget_blocks * llm.engine.config.kvcache_block_size
-    if log:
-        log(f"zipage: pass@1 {report['zipage']['pass_at_1']:.3f}, {report['zipage']['throughput']:.1f} tok/s "
-            f"(budget {report['budget_tokens']} tokens, {report['zipage']['compressions']} compressions)")
+    log(f"zipage: pass@1 {report['zipage']['pass_at_1']:.3f}, {report['zipage']['throughput']:.1f} tok/s "
+        f"(budget {report['budget_tokens']} tokens, {report['zipage']['compressions']} compressions)")
     full_acc = report["full"]["pass_at_1"]
     report["accuracy_retention"] = report["zipage"]["pass_at_1"] / full_acc if full_acc else None
     report["speedup"] = report["zipage"]["throughput"] / report["full"]["throughput"]
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    from zipage_jax.cli_options import add_engine_arguments, engine_options
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="JSONL file of {problem, answer}")
     parser.add_argument("--make-arithmetic", nargs=2, metavar=("N", "OUT"), help="write N arithmetic problems")
     parser.add_argument("--samples", type=int, default=4, help="samples per problem (pass@1 is their mean)")
@@ -219,42 +210,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="only the first N problems")
     parser.add_argument("--sample-seed", type=int, default=0,
                         help="sampling seed (the same for both runs) and --make-arithmetic's seed")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    add_output_arguments(parser)  # --json: one JSON object as the last line
     add_engine_arguments(parser)  # includes --model and --seed (the engine's)
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
     if args.make_arithmetic:
         count, out = args.make_arithmetic
         rows = make_arithmetic(int(count), args.sample_seed)
         with open(out, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        print(f"wrote {len(rows)} problems to {out}", file=sys.stderr)
+        log(f"wrote {len(rows)} problems to {out}")
         return 0
     if not args.data:
-        parser.error("--data FILE.jsonl (or --make-arithmetic N OUT.jsonl) is required")
+        usage_error("eval math", "--data FILE.jsonl (or --make-arithmetic N OUT.jsonl) is required")
     if args.samples < 1 or args.max_tokens < 1:
-        parser.error("--samples and --max-tokens must be >= 1")
+        usage_error("eval math", "--samples and --max-tokens must be >= 1")
     options = engine_options(args)
     model = options.pop("model", None) or "default"
     budget_blocks = options.pop("max_cache_blocks_per_seq", None) or DEFAULT_BUDGET_BLOCKS
     problems = load_problems(args.data, args.limit)
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
     log(f"{len(problems)} problems x {args.samples} samples, up to {args.max_tokens} tokens each")
-    report = run(problems, model, options, args.samples, args.max_tokens, args.sample_seed, budget_blocks, log)
-    from zipage_jax.run_info import run_info
-
-    report["run"] = run_info()
-    if args.json:
-        print(json.dumps(report))
-    else:
+    report = compare(problems, model, options, args.samples, args.max_tokens, args.sample_seed, budget_blocks)
+    if not args.json:
         for mode in ("full", "zipage"):
             report[mode].pop("per_problem")
-        print(json.dumps(report, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return emit(report, args)

@@ -1,12 +1,12 @@
 """Per-token vs per-channel (KIVI) int4 keys: how much attention error each costs on dev data.
 
-    python scripts/eval_int4_keys.py [--length 1024] [--queries 16] [--json] [--model default]
+    zipage-jax eval int4-keys [--length 1024] [--queries 16] [--json] [--model default]
 
 What it measures. The default model prefills each dev text (the first --length tokens of the
-standard library's argparse.py and pydoc_data/topics.py, the "dev" set of eval_quality.py) in one
+standard library's argparse.py and pydoc_data/topics.py, datasets.DEV_TEXTS) in one
 jitted pass of the engine's own stages (`llm.engine.runner.stages`, its parameters), which hands
 every layer's keys (after RoPE), values and the last --queries queries (16: what the engine's
-query cache holds) to this script. Per layer it computes the exact causal attention output of
+query cache holds) to this evaluation. Per layer it computes the exact causal attention output of
 those queries over all the text's keys/values, then the same with the cache quantized (numpy,
 written here independently of the engine's kernels; symmetric abs-max, scale = max|x| / qmax):
   int8-token    keys and values: int8, one float32 scale per token per kv head (qmax 127); the
@@ -35,33 +35,27 @@ for the keys alone); that gain is what per-channel keys would buy, against the c
 re-quantizing keys at every compaction (a per-channel scale is shared by 32 tokens, which
 compaction scatters to other slots) and a full-precision residual for the block being filled.
 int8-token shows what a loss "small enough" looks like. model_check is the relative difference
-between this script's exact attention and the model's own (it should be ~1e-6: it validates the
+between this evaluation's exact attention and the model's own (it should be ~1e-6: it validates the
 head mapping and the softmax scale).
 
 --json prints, last, one line {"results": [per layer and layout, per text too], "summary":
-[per layout means], "commit", "date", "run": run_info(), "config": {...}}.
+[per layout means], "config": {...}, "commit", "date", "run": run_record()}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-import sysconfig
 import time
-from pathlib import Path
 
 import numpy as np
 
-DEV_TEXTS = ("argparse.py", "pydoc_data/topics.py")  # eval_quality.STDLIB_TEXTS (the dev split)
+from zipage_jax.bench.common import add_output_arguments, build_llm, emit, log, run_record
+from zipage_jax.evals.datasets import DEV_TEXTS, stdlib_path
+
 GROUP = 32  # int4: elements per scale (per-token layout), tokens per scale (per-channel layout)
 INT4_QMAX, INT8_QMAX = 7.0, 127.0
 LAYOUTS = ("int8-token", "int4-token", "int4-channel", "int4-hadamard")
 METRICS = ("attn_err", "attn_err_k", "key_err", "value_err")
-
-
-def stdlib_path(name: str) -> Path:
-    return Path(sysconfig.get_paths()["stdlib"]) / name
 
 
 # -- quantizers (numpy; dequantized float32 out) ---------------------------------------------------
@@ -133,7 +127,8 @@ def key_bytes(layout: str, head_dim: int, group: int = GROUP) -> float:
     """Bytes one key costs per token per kv head: its values plus its (share of the) scales."""
     if layout == "int8-token":
         return head_dim + 4.0
-    if layout in ("int4-token", "int4-channel", "int4-hadamard"):  # D/2 bytes + D/group float16 scales (per channel: D per group tokens)
+    if layout in ("int4-token", "int4-channel", "int4-hadamard"):
+        # D/2 bytes + D/group float16 scales (per channel: D per group tokens)
         return head_dim / 2 + 2.0 * head_dim / group
     raise ValueError(f"unknown layout {layout!r}")
 
@@ -233,7 +228,8 @@ def summarize(per_text: dict[str, list[dict]], head_dim: int) -> tuple[list[dict
 def markdown(rows: list[dict], summary: list[dict], config: dict) -> str:
     title = (f"int4 keys, per token vs per channel: {config['model']}, texts {', '.join(config['texts'])} "
              f"({config['length']} tokens each), last {config['queries']} queries; mean over texts")
-    header = "| layout | key bytes/token/head | attn_err | attn_err (keys only) | max layer attn_err | key_err | value_err |"
+    header = ("| layout | key bytes/token/head | attn_err | attn_err (keys only) | max layer attn_err | key_err "
+              "| value_err |")
     lines = [title, "", header, "|---|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         lines.append(f"| {s['layout']} | {s['key_bytes']:g} | {s['attn_err']:.4f} | {s['attn_err_k']:.4f} | "
@@ -253,19 +249,17 @@ def markdown(rows: list[dict], summary: list[dict], config: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--length", type=int, default=1024, help="tokens of each dev text (default 1024)")
     p.add_argument("--queries", type=int, default=16, help="last queries attending (the engine's query cache: 16)")
     p.add_argument("--texts", nargs="+", default=list(DEV_TEXTS), help="standard library files (default: dev)")
-    p.add_argument("--json", action="store_true", help="print one JSON line last")
-    args = p.parse_args(argv)
+    add_output_arguments(p)
 
-    from zipage_jax import LLM
 
+def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    llm = LLM(args.model, kvcache_block_size=16, num_kvcache_blocks=8, max_num_seqs=1)
+    llm = build_llm(args.model, kvcache_block_size=16, num_kvcache_blocks=8, max_num_seqs=1)
     mc = llm.engine.loaded.config
     per_text = {}
     for name in args.texts:
@@ -278,20 +272,14 @@ def main(argv: list[str] | None = None) -> None:
             errs["model_check"] = rel_err(attention(q, k, v), model_out)
             layers.append(errs)
         per_text[name] = layers
-        print(f"{name}: {len(layers)} layers in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        log(f"{name}: {len(layers)} layers in {time.perf_counter() - t0:.0f} s")
     config = {"model": args.model, "length": args.length, "queries": args.queries, "texts": args.texts,
               "group": GROUP, "head_dim": mc.head_dim, "num_heads": mc.num_heads, "num_kv_heads": mc.num_kv_heads,
               "num_layers": mc.num_layers}
     rows, summary = summarize(per_text, mc.head_dim)
     print(markdown(rows, summary, config))
-    if args.json:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))  # run_info: beside this script
-        from zipage_jax.run_info import run_info
-
-        info = run_info()
-        print(json.dumps({"results": rows, "summary": summary, "config": config, "commit": info["commit"],
-                          "date": info["date"], "run": info}))
-
-
-if __name__ == "__main__":
-    main()
+    if not (args.json or args.out):
+        return 0
+    info = run_record()
+    return emit({"results": rows, "summary": summary, "config": config, "commit": info["commit"],
+                 "date": info["date"], "run": info}, args)

@@ -1,9 +1,9 @@
 """Throughput at equal KV memory: full KV vs Zipage compression, in one process.
 
-    python scripts/bench_throughput.py [--quick] [--json] [--requests 32] [--max-tokens 512]
+    zipage-jax bench throughput [--quick] [--json] [--out PATH] [--requests 32] [--max-tokens 512]
         [--prompt-len 32 256] [--sequential] [--model default] [engine options, e.g. --max-cache-blocks-per-seq 4]
-    python scripts/bench_throughput.py --quick --json --budgets 2 4 8 --policies zipage window   # sweep
-    python scripts/bench_throughput.py --quick --json --kv-cache-dtype int8   # + quantized pools, same bytes
+    zipage-jax bench throughput --quick --json --budgets 2 4 8 --policies zipage window   # sweep
+    zipage-jax bench throughput --quick --json --kv-cache-dtype int8   # + quantized pools, same bytes
 
 One workload (long greedy generations with `ignore_eos`, mixed prompt lengths cut from the
 standard library's argparse.py) and one KV pool (`--num-kvcache-blocks`, the same for both
@@ -49,104 +49,29 @@ rest of the scoring is the same for every policy. All the engines are stepped in
 The JSON then holds a "sweep" list, one row per point (policy, budget_blocks, budget_tokens,
 budget_fraction = budget / mean final request length, throughput, mean/peak running,
 preemptions, compressions, compress_time_share, speedup vs full KV, and throughput_vs_zipage
-when zipage ran at the same budget); `scripts/plot_results.py` plots it.
+when zipage ran at the same budget); `zipage-jax bench plot` plots it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
-RECOMMENDED_SCORING = dict(eviction_policy="zipage", use_global_score=True, enable_pooling=True, redundancy="lightning")
-
-
-@dataclass(frozen=True)
-class Workload:
-    requests: int
-    prompt_len_min: int
-    prompt_len_max: int
-    max_tokens: int
-    block_size: int
-    budget_blocks: int  # M: blocks kept per compressed sequence
-    pool_blocks: int | None = None  # None: (M + 1) per request, plus the dummy block (or pool_gb)
-    pool_gb: float | None = None  # the pool in GiB instead (bytes / bytes per block, plus the dummy block)
-    seed: int = 0
-
-    @property
-    def num_pool_blocks(self) -> int:
-        """The pool in blocks of the default KV dtype (when not given in bytes)."""
-        return self.pool_blocks or self.requests * (self.budget_blocks + 1) + 1
-
-    def check(self) -> None:
-        if self.requests < 1 or self.max_tokens < 1:
-            raise ValueError("requests and max_tokens must be >= 1")
-        if not 1 <= self.prompt_len_min <= self.prompt_len_max:
-            raise ValueError(f"need 1 <= prompt_len_min <= prompt_len_max, "
-                             f"got {self.prompt_len_min}, {self.prompt_len_max}")
-        if self.pool_blocks is not None and self.pool_gb is not None:
-            raise ValueError("give the pool in blocks or in GiB, not both")
-        if self.pool_gb is None:
-            self.check_fits(self.num_pool_blocks)
-
-    def check_fits(self, pool_blocks: int) -> None:
-        """ValueError unless full KV can hold the longest request in a pool of `pool_blocks`."""
-        pool_tokens = (pool_blocks - 1) * self.block_size
-        longest = self.prompt_len_max + self.max_tokens
-        if longest > pool_tokens:
-            raise ValueError(f"the longest request ({longest} tokens) does not fit the pool of {pool_tokens} "
-                             "tokens with full KV: raise --num-kvcache-blocks or lower --max-tokens")
-
-
-@dataclass(frozen=True)
-class Pool:
-    """One engine's KV pool: `blocks` blocks (the dummy block 0 included) of `block_bytes` each."""
-
-    kv_cache_dtype: str  # the engine option: "auto", "int8", "fp8" or "int4"
-    kv_dtype: str  # what the pool stores (int4: uint8, two values a byte)
-    block_bytes: int  # K and V of every layer (and a quantized pool's scales)
-    blocks: int
-    block_size: int
-
-    @property
-    def bytes(self) -> int:
-        """Usable bytes (the dummy block left out, as kvcache_memory_gb counts them)."""
-        return (self.blocks - 1) * self.block_bytes
-
-    @property
-    def tokens(self) -> int:
-        return (self.blocks - 1) * self.block_size
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "bytes": self.bytes, "tokens": self.tokens}
-
-
-def block_bytes(loaded, block_size: int, kv_cache_dtype: str, tensor_parallel_size: int = 1) -> tuple[str, int]:
-    """(stored dtype, bytes per block) of an engine's pool, as LLMEngine computes them."""
-    from pallas_kernels.kv_quant import kv_storage_dtype
-    from zipage_jax.engine.pool_plan import kv_block_bytes
-
-    mc = loaded.config
-    dtype = kv_storage_dtype(kv_cache_dtype, loaded.model.dtype)
-    kv_heads = -(-mc.num_kv_heads // tensor_parallel_size)  # per device
-    return dtype.name, kv_block_bytes(mc.num_layers, block_size, kv_heads, mc.head_dim, dtype)
-
-
-def size_pools(workload: Workload, loaded, kv_cache_dtypes: list[str], tensor_parallel_size: int = 1
-               ) -> dict[str, Pool]:
-    """One pool per KV dtype, all of the same bytes: the workload's pool in blocks of the first
-    dtype (or `pool_gb`), and as many blocks of each other dtype as those bytes hold."""
-    sizes = {d: block_bytes(loaded, workload.block_size, d, tensor_parallel_size) for d in kv_cache_dtypes}
-    first = sizes[kv_cache_dtypes[0]][1]
-    total = int(workload.pool_gb * 2**30) if workload.pool_gb else (workload.num_pool_blocks - 1) * first
-    pools = {d: Pool(d, name, size, total // size + 1, workload.block_size) for d, (name, size) in sizes.items()}
-    workload.check_fits(min(p.blocks for p in pools.values()))
-    return pools
-
+from zipage_jax.bench.common import add_output_arguments, emit, log, usage_error
+from zipage_jax.bench.stepping import EngineRun, drive, warm_up
+from zipage_jax.bench.workload import (
+    RECOMMENDED_SCORING,
+    Pool,
+    Workload,
+    add_workload_arguments,
+    engine_config,
+    make_prompts,
+    size_pools,
+    workload_overrides,
+)
 
 PRESETS = {
     # 32 concurrent long generations; full KV holds about 4 of them at once
@@ -156,74 +81,6 @@ PRESETS = {
     "quick": Workload(requests=6, prompt_len_min=16, prompt_len_max=48, max_tokens=208, block_size=16,
                       budget_blocks=2),
 }
-
-
-def make_prompts(tokenizer, workload: Workload) -> list[list[int]]:
-    """Mixed-length prompts, each a different window of real text (no shared prefixes)."""
-    import argparse as text_module
-
-    with open(text_module.__file__, encoding="utf-8") as f:
-        tokens = list(tokenizer(f.read())["input_ids"])
-    if len(tokens) < workload.prompt_len_max:
-        raise ValueError(f"the source text has only {len(tokens)} tokens")
-    rng = np.random.default_rng(workload.seed)
-    lengths = np.linspace(workload.prompt_len_min, workload.prompt_len_max, workload.requests).round().astype(int)
-    rng.shuffle(lengths)
-    stride = max(1, (len(tokens) - workload.prompt_len_max) // workload.requests)
-    return [tokens[i * stride:i * stride + n] for i, n in enumerate(lengths)]
-
-
-def engine_config(model: str, workload: Workload, compressed: bool, options: dict, pool: Pool,
-                  scoring: dict = RECOMMENDED_SCORING):
-    """The engine of one run: `options`, then the workload's sizes and `pool`; compressed runs
-    get `scoring` (under the options) and the workload's budget."""
-    from zipage_jax import EngineConfig
-
-    base = dict(max_num_seqs=workload.requests, max_model_len=workload.prompt_len_max + workload.max_tokens)
-    base.update({k: v for k, v in options.items() if k != "kvcache_memory_gb"})
-    base.update(model=model, kvcache_block_size=workload.block_size, num_kvcache_blocks=pool.blocks,
-                kv_cache_dtype=pool.kv_cache_dtype)
-    if compressed:
-        base = {**scoring, **base, "max_cache_blocks_per_seq": workload.budget_blocks}
-    else:
-        base["max_cache_blocks_per_seq"] = None
-    return EngineConfig.from_options(**base)
-
-
-def warm_up(engine, warmup: bool = True) -> dict:
-    """Compiles every program the engine can reach (untimed); returns what it took."""
-    start = time.perf_counter()
-    compiled = engine.warmup(progress=False) if warmup else 0
-    return {"warmup_seconds": time.perf_counter() - start, "warmup_programs_compiled": compiled}
-
-
-class EngineRun:
-    """An engine with its requests added, stepped by `drive` (the run with fewer tokens first)."""
-
-    def __init__(self, name: str, engine):
-        self.name, self.engine = name, engine
-        self.compiles_at_start = engine.get_stats().num_compiles  # stats.num_compiles is refreshed by step()
-
-    @property
-    def done(self) -> bool:
-        return not self.engine.has_unfinished_requests()
-
-    @property
-    def generated(self) -> int:
-        return self.engine.stats.generation_tokens
-
-    @property
-    def num_compiles(self) -> int:
-        """Programs compiled since the run started (after the warm-up)."""
-        return self.engine.get_stats().num_compiles - self.compiles_at_start
-
-    def wait_for_device(self) -> float:
-        """Blocks until the engine's dispatched work is done; returns the seconds waited."""
-        import jax
-
-        start = time.perf_counter()
-        jax.block_until_ready(self.engine.runner.state)
-        return time.perf_counter() - start
 
 
 class TimedRun(EngineRun):
@@ -268,24 +125,6 @@ class TimedRun(EngineRun):
             raise RuntimeError(f"{self.name}: expected {self.max_tokens} tokens per request with ignore_eos, "
                                f"got lengths {sorted(lengths)}")
         return results
-
-
-TURN_STEPS = 16  # steps an interleaved run takes before the next run's turn
-
-
-def drive(runs: list, interleave: bool, turn_steps: int = TURN_STEPS) -> None:
-    """Steps the runs to completion: one after the other, or interleaved, in turns of
-    `turn_steps` steps, the run with the fewest tokens so far taking the next turn (all finish
-    together and see the same machine load). A turn ends by waiting for the run's dispatched
-    work (`end_turn`, counted in its time): with asynchronous scheduling, an engine's last step
-    would otherwise run on the device during the next engine's turn and be timed there."""
-    while pending := [r for r in runs if not r.done]:
-        run = min(pending, key=lambda r: r.generated) if interleave else pending[0]
-        for _ in range(turn_steps if interleave else sys.maxsize):
-            run.step()
-            if run.done:
-                break
-        run.end_turn()
 
 
 def summarize(run: TimedRun, warm: dict) -> dict:
@@ -542,13 +381,14 @@ def run_humaneval(split: str, budget_tokens: int, model: str, options: dict | No
     prompts (greedy, ending at EOS); both runs' answers graded, so the pass ratio comes from the
     very outputs that were timed."""
     from zipage_jax.chat import chat_prompt_ids
-    from zipage_jax.evals import humaneval as he
+    from zipage_jax.evals import code
+    from zipage_jax.evals.datasets import humaneval_problems
     from zipage_jax.models.loading import load_model
 
     options = {k: v for k, v in (options or {}).items() if k not in ("eviction_policy", "kvcache_memory_gb")}
     loaded = load_model(model, dtype=options.get("dtype"))
-    problems = he.load_problems((split,), limit)
-    prompts = [chat_prompt_ids(loaded.tokenizer, he.messages(p)) for p in problems]
+    problems = humaneval_problems((split,), limit)
+    prompts = [chat_prompt_ids(loaded.tokenizer, code.messages(p)) for p in problems]
     lengths = [len(p) for p in prompts]
     workload = Workload(requests=len(prompts), prompt_len_min=min(lengths), prompt_len_max=max(lengths),
                         max_tokens=max_tokens, block_size=block_size, budget_blocks=-(-budget_tokens // block_size))
@@ -560,8 +400,8 @@ def run_humaneval(split: str, budget_tokens: int, model: str, options: dict | No
     outputs: dict[str, list[dict]] = {}
     rows = bench_modes(loaded, configs, prompts, max_tokens, interleave, log, warmup, ignore_eos=False,
                        answers=outputs)
-    answers = {(name, p.task_id): out for name, outs in outputs.items() for p, out in zip(problems, outs)}
-    statuses = he.grade(problems, answers)
+    answers = {(name, p.task_id): out for name, outs in outputs.items() for p, out in zip(problems, outs, strict=True)}
+    statuses = code.grade(problems, answers)
     for name, row in rows.items():
         row["passed"] = sum(statuses[name, p.task_id] == "passed" for p in problems)
         row["pass_at_1"] = row["passed"] / len(problems)
@@ -600,29 +440,13 @@ def format_sweep(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def workload_parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
-    """A parser with the flags every workload has: --quick, --json, --requests, --max-tokens, --prompt-len."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.add_argument("--requests", type=int)
-    parser.add_argument("--max-tokens", type=int, help="tokens generated per request")
-    parser.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
-    return parser
-
-
-def workload_overrides(args: argparse.Namespace) -> dict:
-    """The workload_parser flags as workload fields (None: the preset's)."""
-    return {"requests": args.requests, "max_tokens": args.max_tokens,
-            "prompt_len_min": args.prompt_len[0] if args.prompt_len else None,
-            "prompt_len_max": args.prompt_len[1] if args.prompt_len else None}
-
-
-def parse_args(argv: list[str] | None):
-    from zipage_jax.cli_options import add_engine_arguments, engine_options
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from zipage_jax.cli_options import add_engine_arguments
     from zipage_jax.compress.policies import POLICIES
 
-    parser = workload_parser(__doc__, "the scaled-down preset (a few minutes on a CPU)")
+    parser.description, parser.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
+    add_workload_arguments(parser, "the scaled-down preset (a few minutes on a CPU)")
+    add_output_arguments(parser)
     parser.add_argument("--sequential", action="store_true",
                         help="run full KV, then Zipage (default: interleave their steps, see above)")
     parser.add_argument("--budgets", type=int, nargs="+", metavar="M",
@@ -637,13 +461,19 @@ def parse_args(argv: list[str] | None):
     # engine options: --model, --kvcache-block-size, --num-kvcache-blocks, --max-cache-blocks-per-seq, ...;
     # --no-warmup compiles on first use instead of before timing (that compile time is left out too)
     add_engine_arguments(parser)
-    args = parser.parse_args(argv)
+
+
+def settings(args: argparse.Namespace) -> tuple[Workload, str, dict]:
+    """The workload, the model and the other engine options of the flags (warmup among them:
+    done here, timed apart, not by the engine); a usage error for flags that do not go together."""
+    from zipage_jax.cli_options import engine_options
+
     if args.budgets and args.max_cache_blocks_per_seq is not None:
-        parser.error("give the budgets with --budgets or --max-cache-blocks-per-seq, not both")
+        usage_error("bench throughput", "give the budgets with --budgets or --max-cache-blocks-per-seq, not both")
     if (args.budgets or args.policies) and args.kv_cache_dtype not in (None, "auto"):
-        parser.error("--kv-cache-dtype compares dtypes in the full KV vs Zipage run, not in a sweep")
+        usage_error("bench throughput", "--kv-cache-dtype compares dtypes in the full KV vs Zipage run, not in a sweep")
     if args.num_kvcache_blocks is not None and args.kvcache_memory_gb is not None:
-        parser.error("give the pool with --num-kvcache-blocks or --kvcache-memory-gb, not both")
+        usage_error("bench throughput", "give the pool with --num-kvcache-blocks or --kvcache-memory-gb, not both")
     options = engine_options(args)
     preset = PRESETS["quick" if args.quick else "default"]
     overrides = {
@@ -656,27 +486,22 @@ def parse_args(argv: list[str] | None):
     fields = {k: v for k, v in overrides.items() if v is not None}
     workload = Workload(**{**asdict(preset), **fields})
     model = options.pop("model", None) or "default"
-    args.warmup = options.pop("warmup", True)  # done here, timed (see warm_up), not by the engine
-    return args, workload, model, options
+    return workload, model, options
 
 
-def main(argv: list[str] | None = None) -> int:
-    args, workload, model, options = parse_args(argv)
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
+def run(args: argparse.Namespace) -> int:
+    workload, model, options = settings(args)
+    warmup = options.pop("warmup", True)
     if args.budgets or args.policies:
-        return main_sweep(args, workload, model, options, log)
+        return _run_sweep(args, workload, model, options, warmup)
     if args.humaneval:
-        return main_humaneval(args, workload, model, options, log)
+        return _run_humaneval(args, workload, model, options, warmup)
     workload.check()
     pool = f"{workload.pool_gb} GiB" if workload.pool_gb else f"{workload.num_pool_blocks} blocks"
     log(f"workload: {workload.requests} requests, prompts {workload.prompt_len_min}-{workload.prompt_len_max} "
         f"tokens, {workload.max_tokens} generated each; pool {pool} of {workload.block_size} tokens; "
         f"budget {workload.budget_blocks} blocks")
-    summary = run_benchmark(workload, model, options, interleave=not args.sequential, log=log,
-                            warmup=args.warmup)
+    summary = run_benchmark(workload, model, options, interleave=not args.sequential, log=log, warmup=warmup)
     p = summary["pool"]
     log(f"pool: {p['blocks']} blocks ({p['kv_dtype']}, {p['block_bytes']} bytes each, {p['bytes'] / 2**20:.1f} MiB)")
     log(f"speedup {summary['speedup']:.2f}x (full {summary['throughput_full']:.1f} tok/s, zipage "
@@ -685,45 +510,29 @@ def main(argv: list[str] | None = None) -> int:
         f"requests at once")
     if "kv_cache_dtype_comparison" in summary:
         log(format_dtype_comparison(summary["kv_cache_dtype_comparison"]))
-    from zipage_jax.run_info import run_info
-
-    summary["run"] = run_info()
-    print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
-    return 0
+    return emit(summary, args)
 
 
-def main_humaneval(args, workload: Workload, model: str, options: dict, log) -> int:
+def _run_humaneval(args: argparse.Namespace, workload: Workload, model: str, options: dict, warmup: bool) -> int:
     summary = run_humaneval(args.humaneval, args.humaneval_budget, model, options, args.limit,
                             args.max_tokens or 512, workload.block_size, interleave=not args.sequential, log=log,
-                            warmup=args.warmup)
+                            warmup=warmup)
     log(f"{summary['problems']} {summary['split']} problems, pool {summary['pool']['blocks']} blocks: full KV "
         f"{summary['throughput_full']:.1f} tok/s (pass@1 {summary['pass_at_1_full']:.3f}), default at "
         f"{summary['budget_tokens']} tokens {summary['throughput_zipage']:.1f} tok/s (pass@1 "
         f"{summary['pass_at_1_compressed']:.3f}): speedup {summary['speedup']:.2f}x at pass ratio "
         f"{summary['pass_ratio']}")
-    from zipage_jax.run_info import run_info
-
-    summary["run"] = run_info()
-    print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
-    return 0
+    return emit(summary, args)
 
 
-def main_sweep(args, workload: Workload, model: str, options: dict, log) -> int:
+def _run_sweep(args: argparse.Namespace, workload: Workload, model: str, options: dict, warmup: bool) -> int:
     budgets = args.budgets or [workload.budget_blocks]
     policies = args.policies or ["zipage", "vnorm-prompt"]
     swept = sweep_workload(workload, budgets)
     log(f"sweep: {swept.requests} requests, prompts {swept.prompt_len_min}-{swept.prompt_len_max} tokens, "
         f"{swept.max_tokens} generated each; budgets {budgets} blocks, policies {policies}")
     summary = run_sweep(workload, budgets, policies, model, options, interleave=not args.sequential, log=log,
-                        warmup=args.warmup)
+                        warmup=warmup)
     log(summary["pool_note"])
     log(format_sweep(summary))
-    from zipage_jax.run_info import run_info
-
-    summary["run"] = run_info()
-    print(json.dumps(summary) if args.json else json.dumps(summary, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return emit(summary, args)

@@ -1,17 +1,19 @@
-"""Quality vs KV budget per policy, from the JSON line of scripts/eval_quality.py --json;
-throughput and concurrency vs budget, from scripts/bench_throughput.py's sweep; step time and
-tokens/s against generated tokens, from scripts/bench_long.py.
+"""Quality vs KV budget per policy, from the JSON line of `zipage-jax eval quality --json`;
+throughput and concurrency vs budget, from `zipage-jax bench throughput`'s sweep; step time and
+tokens/s against generated tokens, from `zipage-jax bench long`.
 
-    python scripts/eval_quality.py --json | tail -1 > quality.json
-    python scripts/plot_results.py quality.json [more.json ...] [--out docs/quality_vs_budget.png]
+    zipage-jax eval quality --json | tail -1 > quality.json
+    zipage-jax bench plot quality.json [more.json ...] [--out docs/quality_vs_budget.png]
 
-    python scripts/bench_throughput.py --quick --json --budgets 2 4 8 --policies zipage window | tail -1 > sweep.json
-    python scripts/plot_results.py sweep.json [--out docs/throughput_vs_budget.png]
+    zipage-jax bench throughput --quick --json --budgets 2 4 8 --policies zipage window | tail -1 > sweep.json
+    zipage-jax bench plot sweep.json [--out docs/throughput_vs_budget.png]
 
-    python scripts/bench_long.py --quick --json | tail -1 > long.json
-    python scripts/plot_results.py long.json [--out docs/long_generation.png]
+    zipage-jax bench long --quick --json | tail -1 > long.json
+    zipage-jax bench plot long.json [--out docs/long_generation.png]
 
-A file whose last line holds bench_long.py's object ("compressed" and "full" runs) gets two
+The JSON results kept with the figures are in docs/results/; the figures are written to docs/.
+
+A file whose last line holds `bench long`'s object ("compressed" and "full" runs) gets two
 panels, step time and tokens/s per window against the generated tokens of each request (the
 window's middle), one line per run, the first window after the budget fills marked.
 
@@ -22,7 +24,7 @@ policy, full KV as a dashed reference line.
 Several files are merged (a later file's row replaces an earlier one for the same policy, fraction
 kind, budget, dtype, memory fraction and split).
 
-Equal-memory rows (eval_quality.py --memory-fractions) get their own plot: a row of panels per split
+Equal-memory rows (`eval quality --memory-fractions`) get their own plot: a row of panels per split
 (held-out first), text and reasoning ppl_ratio against the memory as a fraction of the bfloat16 full
 KV (log scale), one line per policy x kv dtype (colour: policy, line style: dtype), quantization
 alone (a quantized dtype with full KV) as single points, full KV and the 0.97 goal as reference lines.
@@ -40,6 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from zipage_jax.bench.common import usage_error
 
 METRICS = {
     "ppl_ratio": "ppl ratio, text (full / compressed)",
@@ -103,13 +107,13 @@ def plot(rows: list[dict], out: Path) -> list[str]:
     splits = sorted({r.get("split", "dev") for r in compressed}, key=lambda s: (s != "heldout", s))
     colours = {p: f"C{i}" for i, p in enumerate(policies)}
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
+    for ax, metric in zip(axes[0], metrics, strict=True):
         for policy in policies:
             for split in splits:
                 points = sorted((r["budget_fraction"], r[metric]) for r in compressed if r["policy"] == policy
                                 and r.get("split", "dev") == split and r.get(metric) is not None)
                 if points:
-                    xs, ys = zip(*points)
+                    xs, ys = zip(*points, strict=True)
                     dev = split == "dev" and len(splits) > 1  # dashed, hollow markers
                     ax.plot(xs, ys, marker="o", color=colours[policy], linestyle="--" if dev else "-",
                             fillstyle="none" if dev else "full",
@@ -173,15 +177,15 @@ def plot_memory(rows: list[dict], out: Path) -> list[str]:
     markers = {d: MARKERS[i % len(MARKERS)] for i, d in enumerate(d for d in styles if d != "auto")}
     fig, axes = plt.subplots(len(splits), len(MEMORY_METRICS), figsize=(5.2 * len(MEMORY_METRICS),
                                                                         3.8 * len(splits)), squeeze=False)
-    for ax_row, split in zip(axes, splits):
+    for ax_row, split in zip(axes, splits, strict=True):
         mine = [r for r in rows if r.get("split", "dev") == split]
-        for ax, (metric, title) in zip(ax_row, MEMORY_METRICS.items()):
+        for ax, (metric, title) in zip(ax_row, MEMORY_METRICS.items(), strict=True):
             for policy in policies:
                 for dtype, style in styles.items():
                     points = sorted((memory_x(r, metric), r[metric]) for r in mine if r["policy"] == policy
                                     and r["kv_cache_dtype"] == dtype and r.get(metric) is not None)
                     if points:
-                        xs, ys = zip(*points)
+                        xs, ys = zip(*points, strict=True)
                         ax.plot(xs, ys, marker="o", linestyle=style, color=colours[policy], label=f"{policy} {dtype}")
             for r in mine:
                 if r["policy"] == "full" and r["kv_cache_dtype"] != "auto" and r.get(metric) is not None:
@@ -209,7 +213,7 @@ SWEEP_PANELS = {
 
 
 def plot_sweep(data: dict, out: Path) -> list[str]:
-    """Throughput and concurrency vs budget from bench_throughput.py's sweep JSON; returns the policies."""
+    """Throughput and concurrency vs budget from `bench throughput`'s sweep JSON; returns the policies."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,9 +226,9 @@ def plot_sweep(data: dict, out: Path) -> list[str]:
     budgets = sorted({p["budget_blocks"] for p in points})
     block = data.get("workload", {}).get("block_size")
     fig, axes = plt.subplots(1, len(SWEEP_PANELS), figsize=(4.6 * len(SWEEP_PANELS), 3.8), squeeze=False)
-    for ax, (key, (title, full_key)) in zip(axes[0], SWEEP_PANELS.items()):
+    for ax, (key, (title, full_key)) in zip(axes[0], SWEEP_PANELS.items(), strict=True):
         for policy in policies:
-            xs, ys = zip(*sorted((p["budget_blocks"], p[key]) for p in points if p["policy"] == policy))
+            xs, ys = zip(*sorted((p["budget_blocks"], p[key]) for p in points if p["policy"] == policy), strict=True)
             ax.plot(xs, ys, marker="o", label=policy)
         if data.get(full_key) is not None:
             ax.axhline(data[full_key], color="black", linestyle="--", linewidth=1, label="full KV")
@@ -250,7 +254,7 @@ def is_long(data: dict) -> bool:
 
 
 def plot_long(data: dict, out: Path) -> list[str]:
-    """Step time and tokens/s against generated tokens from bench_long.py's JSON; returns the runs."""
+    """Step time and tokens/s against generated tokens from `bench long`'s JSON; returns the runs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -259,15 +263,16 @@ def plot_long(data: dict, out: Path) -> list[str]:
     window = data["window"]
     runs = {"compressed": f"budget {data.get('budget_tokens')} tokens", "full": "full KV"}
     fig, axes = plt.subplots(1, len(LONG_PANELS), figsize=(4.8 * len(LONG_PANELS), 3.8), squeeze=False)
-    for ax, (key, title) in zip(axes[0], LONG_PANELS.items()):
+    for ax, (key, title) in zip(axes[0], LONG_PANELS.items(), strict=True):
         for run, label in runs.items():
             points = [((k + 0.5) * window, y) for k, y in enumerate(data[run][key]) if y is not None]
             if points:
-                xs, ys = zip(*points)
+                xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, marker="o", label=label, linestyle="-" if run == "compressed" else "--")
         first = data["compressed"].get("first_full_window")
         if first is not None:
-            ax.axvline(first * window, color="grey", linewidth=1, linestyle=":", label="first window after the budget fills")
+            ax.axvline(first * window, color="grey", linewidth=1, linestyle=":",
+                       label="first window after the budget fills")
         ax.set_xlabel(f"generated tokens per request (windows of {window})")
         ax.set_ylim(bottom=0)
         ax.set_title(title, fontsize=10)
@@ -284,33 +289,32 @@ def plot_long(data: dict, out: Path) -> list[str]:
 
 # kind -> (recognises its JSON, default output, plot): plots made from one file alone
 SINGLE_FILE_PLOTS = {
-    "bench_long.py": (is_long, "docs/long_generation.png", plot_long),
+    "bench long": (is_long, "docs/long_generation.png", plot_long),
     "throughput sweep": (lambda data: "sweep" in data, "docs/throughput_vs_budget.png", plot_sweep),
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="quality vs budget plot from eval_quality.py --json, throughput "
-                                            "and concurrency vs budget from bench_throughput.py --budgets --json, "
-                                            "or step time and tok/s vs generated tokens from bench_long.py --json")
-    p.add_argument("results", type=Path, nargs="+", help="files whose last line is eval_quality.py's JSON, "
-                                                        "or one file whose last line is a bench_throughput sweep "
-                                                        "or bench_long.py's JSON")
-    p.add_argument("--out", type=Path, help="default: docs/quality_vs_budget.png (docs/quality_vs_memory.png "
-                                            "for equal-memory results), "
-                                            "docs/throughput_vs_budget.png for a sweep, "
-                                            "docs/long_generation.png for bench_long")
-    p.add_argument("--policies", nargs="+", help="quality plot: only these policies (and full KV)")
-    args = p.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description, parser.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
+    parser.add_argument("results", type=Path, nargs="+", help="files whose last line is `eval quality`'s JSON, "
+                                                             "or one file whose last line is a `bench throughput` "
+                                                             "sweep or `bench long`'s JSON")
+    parser.add_argument("--out", type=Path, help="default: docs/quality_vs_budget.png (docs/quality_vs_memory.png "
+                                                 "for equal-memory results), docs/throughput_vs_budget.png for a "
+                                                 "sweep, docs/long_generation.png for `bench long`")
+    parser.add_argument("--policies", nargs="+", help="quality plot: only these policies (and full KV)")
+
+
+def run(args: argparse.Namespace) -> int:
     loaded = [load_json(path) for path in args.results]
     for kind, (matches, default_out, plot_one) in SINGLE_FILE_PLOTS.items():
         if any(matches(data) for data in loaded):
             if len(args.results) != 1:
-                p.error(f"give one {kind} file, alone")
+                usage_error("bench plot", f"give one {kind} file, alone")
             out = args.out or Path(default_out)
             names = plot_one(loaded[0], out)
             print(f"wrote {out} ({', '.join(names)})")
-            return
+            return 0
     rows = merge(args.results)
     if args.policies:
         rows = [r for r in rows if r["policy"] in {"full", *args.policies}]
@@ -320,14 +324,11 @@ def main(argv: list[str] | None = None) -> None:
         out = args.out or Path("docs/quality_vs_memory.png")
         print(f"wrote {out} (splits: {', '.join(plot_memory(memory, out))})")
         if not any(r["policy"] != "full" for r in tokens):
-            return
+            return 0
         out = args.out.with_name(f"{args.out.stem}_tokens{args.out.suffix}") if args.out else None
     else:
         out = args.out
     out = out or Path("docs/quality_vs_budget.png")
     metrics = plot(tokens, out)
     print(f"wrote {out} ({', '.join(metrics)})")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

