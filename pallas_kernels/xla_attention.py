@@ -72,7 +72,7 @@ def check_paged_inputs(q_heads: int, head_dim: int, k_pool: jax.Array, v_pool: j
 def tokens_per_step(batch: int, chunk: int, q_heads: int, page: int) -> int:
     """Keys per loop step, a power of two: 256 for one row, 128 for more, fewer when the logits of
     a step would pass _LOGITS_PER_STEP. A longer step gathers keys past a short row's end for
-    every row; scripts/bench_xla_attention.py measures the choice (docs/RESULTS.md)."""
+    every row; `zipage-jax bench xla-attention` measures the choice (docs/RESULTS.md)."""
     tokens = min(_STEP_TOKENS_ONE_ROW if batch == 1 else _STEP_TOKENS,
                  max(1, _LOGITS_PER_STEP // (batch * chunk * q_heads)))
     tokens = 1 << (tokens.bit_length() - 1)
