@@ -129,9 +129,10 @@ def engine_config(model: str, workload: Workload, compressed: bool, options: dic
 def add_workload_arguments(parser: argparse.ArgumentParser, quick_help: str) -> None:
     """The flags every workload has: --quick, --requests, --max-tokens, --prompt-len."""
     parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--requests", type=int)
+    parser.add_argument("--requests", type=int, help="requests in the workload (default: the preset's)")
     parser.add_argument("--max-tokens", type=int, help="tokens generated per request")
-    parser.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"))
+    parser.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"),
+                        help="prompt lengths in tokens, drawn between MIN and MAX (default: the preset's)")
 
 
 def workload_overrides(args: argparse.Namespace) -> dict:
