@@ -21,6 +21,8 @@ LAYERS = [
     ("compress", ["zipage_jax.compress"]),
     ("options", ["zipage_jax.config", "zipage_jax.sampling_params"]),
     ("engine", ["zipage_jax.engine"]),
+    # data-parallel serving: replicas of the engine on Ray; the server never imports it (the commands do)
+    ("data_parallel", ["zipage_jax.data_parallel"]),
     ("api", ["zipage_jax.llm", "zipage_jax.chat", "zipage_jax.cli_options", "zipage_jax.crosscheck", "zipage_jax"]),
     ("server", ["zipage_jax.server"]),
     # benchmarks and evaluations: the public API; they may share each other's modules (bench.common, evals.datasets)
@@ -105,6 +107,19 @@ def test_the_check_catches_an_upward_import(tmp_path, monkeypatch):
     found = upward_imports(project_files())
     assert len(found) == 2 and "(layers) imports zipage_jax.engine.runner (engine)" in found[0]
     assert "reaches past the engine API" in found[1]
+
+
+def test_the_server_and_data_parallel_serving_do_not_import_each_other(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    for package in ("server", "data_parallel", "commands"):
+        (tmp_path / "zipage_jax" / package).mkdir(parents=True)
+    (tmp_path / "zipage_jax" / "server" / "bad.py").write_text("import zipage_jax.data_parallel.router\n")
+    (tmp_path / "zipage_jax" / "data_parallel" / "bad.py").write_text("from zipage_jax.server import create_app\n")
+    (tmp_path / "zipage_jax" / "commands" / "fine.py").write_text("import zipage_jax.data_parallel.router\n")
+    found = upward_imports(project_files())
+    assert len(found) == 2
+    assert "(data_parallel) imports zipage_jax.server (server)" in found[0]
+    assert "server/bad.py:1: the server reaches past the engine API to zipage_jax.data_parallel.router" in found[1]
 
 
 @pytest.mark.parametrize("module", HOST_ONLY)

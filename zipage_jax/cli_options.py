@@ -40,12 +40,15 @@ def add_field_argument(parser: argparse.ArgumentParser, f: dataclasses.Field, ki
         parser.add_argument(flag, type=_parser_for(kind), **options)
 
 
-def add_distributed_arguments(parser: argparse.ArgumentParser) -> None:
-    """--coordinator-address, --num-processes, --process-id: this process's place in a jax.distributed run."""
-    group = parser.add_argument_group("multi-process (jax.distributed; every process runs the same command)")
+def add_distributed_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """--coordinator-address, --num-processes, --process-id: this process's place in a jax.distributed
+    run; returns their group (a command adds its own multi-process flags to it)."""
+    group = parser.add_argument_group("multi-process (jax.distributed; every process runs the same command, with its "
+                                      "own --process-id)")
     group.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address, the same in all")
     group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
     group.add_argument("--process-id", type=int, metavar="I", help="this process's index: 0 .. N-1")
+    return group
 
 
 def start_distributed(args: argparse.Namespace) -> None:

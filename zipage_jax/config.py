@@ -23,7 +23,14 @@ PROMPT_COMPRESSION = ("bounded", "deferred")
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = option("default", doc="a registry name (zipage_jax/models/registry.py; \"default\" is "
-                                       "SmolLM2-135M-Instruct), a transformers model directory or a GGUF file")
+                                       "SmolLM2-135M-Instruct), a transformers model directory, a GGUF file or a "
+                                       "Hugging Face model id (org/name: its config, tokenizer and safetensors "
+                                       "weights are downloaded once)")
+    revision: str | None = option(None, doc="the Hugging Face model's revision: a branch, tag or commit hash; "
+                                            "default: main")
+    download_dir: str | None = option(None, doc="where Hugging Face models are downloaded to and looked up; default: "
+                                                "huggingface_hub's cache ($HF_HUB_CACHE, else $HF_HOME/hub, else "
+                                                "~/.cache/huggingface/hub)")
     dtype: str | None = option(None, doc="the model's dtype: float32, bfloat16 or float16; default: float32 on CPU, "
                                          "bfloat16 on GPU")
     max_num_seqs: int = option(64, doc="sequences running at once")

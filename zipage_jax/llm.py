@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -13,7 +14,7 @@ from zipage_jax.models.loading import LoadedModel
 from zipage_jax.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class LLM:
@@ -60,14 +61,16 @@ class LLM:
                 self.engine.abort(request_id)
 
     def chat(self, messages: list[Message] | list[list[Message]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[dict]:
-        """Applies the tokenizer's chat template (with the generation prompt) and generates."""
+             use_tqdm: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[dict]:
+        """Applies the tokenizer's chat template (with the generation prompt) and generates;
+        `chat_template_kwargs`: extra template variables, such as {"enable_thinking": False}."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c) for c in conversations]
+        prompts = [self.apply_chat_template(c, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages)
+    def apply_chat_template(self, messages: list[Message], chat_template_kwargs: dict[str, Any] | None = None
+                            ) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
 
     def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
         """Queues every prompt, or none when one is refused (ValueError)."""

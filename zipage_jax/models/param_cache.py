@@ -24,7 +24,9 @@ def default_cache_dir() -> Path:
 
 
 def fingerprint(files: list[Path], dtype: str) -> str:
-    """Changes when any file's path, size or mtime, the dtype or the cache format changes."""
+    """Changes when any file's path, size or mtime, the dtype or the cache format changes. A
+    symlink counts as the file it points to: a Hugging Face snapshot's files link to its blobs,
+    named by their content, so another revision with other contents is another key."""
     h = xxhash.xxh64()
     for f in sorted(files):
         st = f.stat()

@@ -12,17 +12,21 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
+def weight_file_names(model_dir: Path) -> list[str]:
+    """The names of the safetensors files holding the weights: the shards the index names, else model.safetensors."""
+    index = model_dir / INDEX_FILE
+    if not index.exists():
+        return [SINGLE_FILE]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ValueError(f"corrupt safetensors index {index}: {exc}") from exc
+    return sorted(set(weight_map.values()))
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files holding the weights (the shards named by the index, if sharded)."""
-    index = model_dir / INDEX_FILE
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ValueError(f"corrupt safetensors index {index}: {exc}") from exc
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-    else:
-        files = [model_dir / SINGLE_FILE]
+    files = [model_dir / name for name in weight_file_names(model_dir)]
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"missing safetensors file {f}")

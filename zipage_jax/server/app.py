@@ -27,6 +27,7 @@ from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import MAX_N
 from zipage_jax.server import serving_models, serving_tokenization
 from zipage_jax.server.auth import ApiKey
+from zipage_jax.server.chat_output import ChatParsing
 from zipage_jax.server.errors import install_error_handlers
 from zipage_jax.server.limits import RequestLimits
 from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
@@ -67,7 +68,8 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: RequestLimits | None = None,
                on_engine_error: Callable[[BaseException], None] | None = None,
                max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, api_key: str | None = None,
-               warmup: bool = False) -> FastAPI:
+               warmup: bool = False, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """`max_n` caps n (never above MAX_N, nor the engine's max_num_seqs); a body over
     `max_request_bytes` is answered 413 unread; `limits` bounds other counts (default:
     RequestLimits()); a generation request that would make more than `max_queued_requests`
@@ -75,11 +77,14 @@ def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list
     `on_engine_error(exc)` runs (in the engine thread) once the engine can no longer serve;
     with `warmup`, the loaded engine builds its programs in the background
     (`LLMEngine.start_warmup`) and the server is not ready until their serving set is, the
-    warm-up stopping when the server does. Raises ValueError for a bad value."""
+    warm-up stopping when the server does. `enable_auto_tool_choice`, `tool_call_parser`,
+    `reasoning_parser`: how chat outputs are parsed (ServerConfig's fields of those names say
+    what each does). Raises ValueError for a bad value."""
     served = ServedModels(served_model_names)
     limits = limits or RequestLimits()
+    chat_parsing = ChatParsing.from_options(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     serving = OpenAIServing(engine_factory, served, limits, max_n, max_queued_requests, on_load_error,
-                            on_engine_error, warmup)
+                            on_engine_error, warmup, chat_parsing)
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     key = None if api_key is None else ApiKey(api_key)

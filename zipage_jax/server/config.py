@@ -13,8 +13,12 @@ from zipage_jax.server.auth import KEY_VARIABLES
 from zipage_jax.server.limits import RequestLimits
 from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES
 from zipage_jax.server.queue_capacity import DEFAULT_MAX_QUEUED_REQUESTS
+from zipage_jax.server.reasoning_parsers import REASONING_PARSERS
+from zipage_jax.server.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DATA_PARALLEL_BACKENDS = ("ray",)
+ROUTING_POLICIES = ("cache_aware", "round_robin")  # data_parallel.router's (the server does not import it)
 
 
 @dataclass(frozen=True)
@@ -36,11 +40,39 @@ class ServerConfig:
         DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
         doc="the most sequences (prompts x n) admitted and waiting for their first token; a generation request that "
             "would make more wait is answered 503 with Retry-After")
+    data_parallel_size: int = option(
+        1, metavar="N", doc="engine replicas behind this server, each in its own process with its own devices "
+                            "(--tensor-parallel-size each), run by --data-parallel-backend; 1: one engine in this "
+                            "process")
+    data_parallel_backend: str = option(
+        "ray", choices=DATA_PARALLEL_BACKENDS,
+        doc="what runs the replicas of --data-parallel-size: ray (the only one): a local Ray instance, or the "
+            "cluster $RAY_ADDRESS names")
+    routing_policy: str = option(
+        "cache_aware", choices=ROUTING_POLICIES,
+        doc="which replica a request goes to: cache_aware (the one that holds the longest run of the prompt's "
+            "leading blocks, when above 30% of them, unless the replicas' tokens in flight are unbalanced; else the "
+            "least loaded) or round_robin")
     api_key: str | None = option(
         None, metavar="KEY",
         doc="the key clients must send as `Authorization: Bearer KEY` to the /v1 and tokenizer routes (/health, "
             f"/metrics, /version, /openapi.json and /docs stay open); default: ${KEY_VARIABLES[0]}, else "
             f"${KEY_VARIABLES[1]}, else none (no key needed)")
+    enable_auto_tool_choice: bool = option(
+        False, doc='serve tool_choice "auto" (the default of a chat request with tools): the output is free and '
+                   "--tool-call-parser reads the tool calls out of it (a tool with strict: true constrains them to its "
+                   'parameters); without it such a request is answered 400; needs --tool-call-parser')
+    tool_call_parser: str | None = option(
+        None, choices=tuple(TOOL_PARSERS), metavar="NAME",
+        doc="the format of the model's tool calls, for --enable-auto-tool-choice: hermes (Hermes, Qwen2.5, Qwen3: "
+            "<tool_call>{...}</tool_call>), llama3_json (Llama 3.1/3.2: the output is JSON calls separated by ';')")
+    reasoning_parser: str | None = option(
+        None, choices=tuple(REASONING_PARSERS), metavar="NAME",
+        doc="split each chat completion's <think> block off into message.reasoning_content (and delta."
+            "reasoning_content), count it in usage.completion_tokens_details.reasoning_tokens, and apply a "
+            "response_format, structured_outputs or tool grammar after it: deepseek_r1 (DeepSeek-R1, QwQ: the text up "
+            "to </think> is reasoning, all of it without one), qwen3 (Qwen3: reasoning only in a <think> block at the "
+            "start); default: none, the output is all content")
 
     @classmethod
     def from_options(cls, **options) -> ServerConfig:

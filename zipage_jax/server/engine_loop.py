@@ -131,6 +131,13 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def fail_requests(self, error: RequestFailed) -> None:
+        """Fails every request in flight now, from any thread, without the engine (its thread may
+        be blocked on a device that will never answer): for a server about to exit."""
+        sinks = list(self._sinks.values())  # one copy, atomic under the GIL: the engine thread owns the dict
+        if sinks and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(_deliver, [(sink, error) for sink in sinks])
+
     # -- engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:

@@ -113,7 +113,10 @@ class Generation:
                                                     for o in out.outputs)
         # a prompt's cache hit is its first completion's (the others share that completion's blocks)
         cached = sum(out.outputs[0].metrics.get("cached_prompt_tokens", 0) for out in self._latest.values())
-        return Usage.of(sum(map(len, self.prompts)), generated, cached)
+        reasoning = [self.builder.reasoning_tokens(p * self.params.n + o.index, o.token_ids)
+                     for p, out in self._latest.items() for o in out.outputs]
+        return Usage.of(sum(map(len, self.prompts)), generated, cached,
+                        sum(reasoning) if reasoning and None not in reasoning else None)
 
     async def response(self) -> JSONResponse:
         async for _ in self.outputs():
@@ -129,8 +132,7 @@ class Generation:
         for p, out in sorted(self._latest.items()):
             for o in out.outputs:
                 text, logprobs = self._shown(p, o.text, o.logprobs, first=True)
-                choice = self.builder.choice(p * n + o.index, text, logprobs, o.finish_reason, o.stop_reason,
-                                             text_offset=0, streaming=False)
+                choice = self.builder.choice(p * n + o.index, text, logprobs, o.finish_reason, o.stop_reason)
                 if self.builder.prompt_logprobs_in_choices:
                     self._with_prompt_logprobs(p, choice)
                 choices.append(choice)
@@ -163,9 +165,9 @@ class Generation:
             body.prompt_logprobs = self.builder.prompt_logprobs(self._prompt_logprobs.get(p, []))
 
     async def events(self, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
-        """SSE lines: a chunk per choice that advanced, [usage chunk], data: [DONE]. With
-        `continuous_usage` (and include_usage) each chunk carries its choice's usage so far,
-        as vLLM's continuous_usage_stats."""
+        """SSE lines: a chunk (or more, see builder.stream_choices) per choice that advanced,
+        [usage chunk], data: [DONE]. With `continuous_usage` (and include_usage) each chunk
+        carries its choice's usage so far, as vLLM's continuous_usage_stats."""
         stream = _Stream()
         try:
             opening = self.builder.opening_choices(len(self.prompts) * self.params.n)
@@ -194,16 +196,16 @@ class Generation:
             first = index not in stream.started
             stream.started.add(index)
             text, logprobs = self._shown(p, o.delta_text, o.delta_logprobs, first)
-            choice = builder.choice(index, text, logprobs, o.finish_reason, o.stop_reason,
-                                    text_offset=stream.sent_text[index], streaming=True)
+            choices = builder.stream_choices(index, text, logprobs, o.finish_reason, o.stop_reason,
+                                             text_offset=stream.sent_text[index])
             if first:
-                self._with_prompt_logprobs(p, choice)
+                self._with_prompt_logprobs(p, choices[0])
             stream.sent_text[index] += len(text)
             stream.generated[index] += 0 if self._prompt_only else len(o.delta_token_ids)
             if o.finish_reason is not None:
                 stream.finished.add(index)
             so_far = Usage.of(len(self.prompts[p]), stream.generated[index]) if continuous_usage else None
-            events.append(_sse(builder.chunk([choice], so_far, include_usage=include_usage).body()))
+            events += [_sse(builder.chunk([choice], so_far, include_usage=include_usage).body()) for choice in choices]
         return "".join(events)
 
 

@@ -3,6 +3,11 @@
 Engine counters and gauges are read from the engine thread's latest stats snapshot at scrape
 time, the warm-up's progress from the engine's warm-up status; latency histograms are observed
 by the engine thread as outputs arrive.
+
+Under data-parallel serving the stats snapshot also holds each replica's (`replicas`, a list of
+EngineStats or None, and `serving`, a list of bools): every engine gauge and counter then has one
+sample per replica, labelled `replica` ("0", "1", ...; sum them for the whole server), and
+zipage:replica_serving says which replicas take requests. A single engine's have no such label.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ _COUNTERS = (
     ("zipage:programs_loaded", "Programs loaded from the executable store (neither traced nor compiled).",
      "num_programs_loaded"),
 )
+_REPLICA_SERVING = "zipage:replica_serving"  # data-parallel serving only
 # (name, help, WarmupStatus field), all 0 when no warm-up ran
 _WARMUP = (
     ("zipage:warmup_programs_total", "Programs in the warm-up's grid (0 without a warm-up).", "total"),
@@ -76,11 +82,24 @@ class _EngineCollector(Collector):
         stats = self._stats()
         if stats is None:  # still loading
             return
+        replicas = getattr(stats, "replicas", None)  # data-parallel serving: each replica's stats
         for kind, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
             for name, doc, field in table:
-                family = kind(name, doc, labels=["model_name"])
-                family.add_metric([self._model_name], getattr(stats, field))
+                if replicas is None:
+                    family = kind(name, doc, labels=["model_name"])
+                    family.add_metric([self._model_name], getattr(stats, field))
+                else:
+                    family = kind(name, doc, labels=["model_name", "replica"])
+                    for i, replica in enumerate(replicas):
+                        if replica is not None:
+                            family.add_metric([self._model_name, str(i)], getattr(replica, field))
                 yield family
+        if replicas is not None:
+            family = GaugeMetricFamily(_REPLICA_SERVING, "1 while the replica takes requests; 0 while it restarts "
+                                       "or builds its warm-up's serving set.", labels=["model_name", "replica"])
+            for i, serving in enumerate(stats.serving):
+                family.add_metric([self._model_name, str(i)], float(serving))
+            yield family
         status = self._warmup()
         for name, doc, field in _WARMUP:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])

@@ -103,7 +103,7 @@ class Preprocessor:
         tokenizer = self._refuse_if_too_long(sum(len(m["content"].encode()) for m in messages), max_model_len,
                                              "messages")
         try:
-            ids = chat_prompt_ids(tokenizer, messages, max_length=max_model_len, tools=template_tools(body.tools))
+            ids = chat_prompt_ids(tokenizer, messages, max_length=max_model_len, **_template_options(body))
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="messages") from exc
         _refuse_unless_fits(len(ids), max_model_len, "messages")  # ids stop at max_model_len
@@ -117,7 +117,7 @@ class Preprocessor:
             self._limits.check_chat_bytes(request.messages)
             try:
                 text = chat_prompt_text(tokenizer, [m.as_template_input() for m in request.messages],
-                                        add_generation_prompt=request.add_generation_prompt)
+                                        **_template_options(request))
             except ValueError as exc:
                 raise OpenAIError(400, str(exc), param="messages") from exc
         else:
@@ -156,6 +156,12 @@ class Preprocessor:
             with self._lock:
                 local.tokenizer = self._copies.pop()
         return local.tokenizer, self._bytes_per_token
+
+
+def _template_options(body: ChatCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    """How chat_prompt_ids / chat_prompt_text render `body`'s messages."""
+    return {"tools": template_tools(body.tools), "add_generation_prompt": body.add_generation_prompt,
+            "continue_final_message": body.continue_final_message, "chat_template_kwargs": body.chat_template_kwargs}
 
 
 def _refuse_unless_fits(num_tokens: int, max_model_len: int, param: str) -> None:

@@ -22,9 +22,11 @@ from pydantic import (
     RootModel,
     Tag,
     ValidationInfo,
+    field_validator,
     model_validator,
 )
 
+from zipage_jax.chat import RESERVED_TEMPLATE_KWARGS, check_chat_template_kwargs, tool_call_arguments
 from zipage_jax.sampling_params import (
     EVICTION_POLICIES,
     FLOAT32_MAX,
@@ -133,7 +135,8 @@ class FunctionDefinition(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     description: Text | None = None
     parameters: JsonObject | None = None
-    strict: bool | None = None
+    strict: bool | None = Field(None, description='with tool_choice "auto": the calls of this function are '
+                                                  "constrained to its parameters")
 
 
 class Tool(_Strict):
@@ -238,9 +241,15 @@ class TextPart(_Strict):
     text: Text
 
 
+def _object_arguments(text: str) -> str:
+    tool_call_arguments(text)
+    return text
+
+
 class FunctionCall(_Strict):
     name: Text
-    arguments: Text
+    arguments: Annotated[Text, AfterValidator(_object_arguments)] = Field(
+        description="JSON text of an object (\"\" for none); the chat template gets the object")
 
 
 class ToolCall(_Strict):
@@ -297,14 +306,46 @@ Messages = Annotated[list[ChatMessage],
                      BeforeValidator(_within_server_bound)]
 
 
-class ChatCompletionRequest(SamplingFields):
+def _template_kwargs(value: Any) -> Any:
+    if value is None:
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object, such as {{\"enable_thinking\": false}}, got {value!r:.50}")
+    return check_chat_template_kwargs(value)
+
+
+class ChatTemplateFields(_Strict):
+    """How the messages are rendered with the model's chat template (vLLM's fields)."""
+
+    add_generation_prompt: bool = Field(True, description="end the prompt with the start of an assistant turn")
+    continue_final_message: bool = Field(
+        False, description="end the prompt with the last message left open, for the model to continue it; needs "
+                           "add_generation_prompt false (vLLM extension)")
+    chat_template_kwargs: Annotated[JsonObject | None, BeforeValidator(_template_kwargs)] = Field(
+        None, description="extra variables for the chat template, each key a variable's name, such as "
+                          '{"enable_thinking": false} for Qwen3; a variable the template does not read has no '
+                          "effect. Names the server sets (the template's inputs, special tokens and functions, and "
+                          f"the renderer's options) are refused: {', '.join(RESERVED_TEMPLATE_KWARGS)} "
+                          "(vLLM extension)")
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_ending(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("needs add_generation_prompt false: the prompt ends either with the last message left "
+                             "open or with a new assistant turn")
+        return value
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: Messages
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     max_completion_tokens: Count | None = None
     tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = Field(None, description='"none", "required" or a named function; "auto" '
-                                                             '(the default with tools) is refused')
+    tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (the default with tools; needs the '
+                                                             "server's --enable-auto-tool-choice and "
+                                                             '--tool-call-parser), "required" or a named function')
     parallel_tool_calls: bool = True
 
 
@@ -316,10 +357,10 @@ class TokenizeCompletionRequest(_Strict):
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(ChatTemplateFields):
     model: Text | None = None
     messages: Messages
-    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
 

@@ -9,7 +9,8 @@ from collections import defaultdict
 from typing import Any
 
 from zipage_jax.engine.outputs import TokenLogprob
-from zipage_jax.server.protocol import ToolChoice
+from zipage_jax.server.chat_output import ChatOutput, ChoiceDelta, ChoiceParser
+from zipage_jax.server.protocol import ToolCall
 from zipage_jax.server.responses import (
     AssistantMessage,
     ChatChoice,
@@ -24,6 +25,7 @@ from zipage_jax.server.responses import (
     CompletionChunk,
     CompletionChunkChoice,
     CompletionLogprobs,
+    FunctionCallDelta,
     PromptLogprob,
     PromptLogprobs,
     ResponseBody,
@@ -31,7 +33,8 @@ from zipage_jax.server.responses import (
     TopLogprob,
     Usage,
 )
-from zipage_jax.server.structured import tool_calls
+from zipage_jax.server.structured import new_tool_call_id, tool_call, tool_calls
+from zipage_jax.server.tool_parsers import ParsedToolCall
 
 
 class ResponseBuilder(ABC):
@@ -66,9 +69,19 @@ class ResponseBuilder(ABC):
         return []
 
     @abstractmethod
-    def choice(self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
-               stop_reason: str | int | None, text_offset: int, streaming: bool) -> ResponseBody:
-        """One choice: a whole response's, or a stream chunk's delta (`text` is then the delta)."""
+    def choice(self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str,
+               stop_reason: str | int | None) -> ResponseBody:
+        """A whole response's choice."""
+
+    @abstractmethod
+    def stream_choices(self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+                       stop_reason: str | int | None, text_offset: int) -> list[ResponseBody]:
+        """The chunk choices of what a choice added (`text`, `logprobs`), one chunk each, at
+        least one: the first has the logprobs, the last the finish reason."""
+
+    def reasoning_tokens(self, index: int, token_ids: list[int]) -> int | None:
+        """How many of choice `index`'s tokens (once finished) are reasoning; None without a reasoning parser."""
+        return None
 
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])
@@ -93,11 +106,16 @@ class CompletionBuilder(ResponseBuilder):
     response_model, chunk_model = Completion, CompletionChunk
     prompt_logprobs_in_choices = True
 
-    def choice(self, index, text, logprobs, finish_reason, stop_reason, text_offset, streaming):
-        choice_model = CompletionChunkChoice if streaming else CompletionChoice
-        return choice_model(index=index, text=text,
-                            logprobs=None if logprobs is None else self._logprobs(logprobs, text_offset),
-                            finish_reason=finish_reason, stop_reason=stop_reason)
+    def choice(self, index, text, logprobs, finish_reason, stop_reason):
+        return CompletionChoice(**self._fields(index, text, logprobs, finish_reason, stop_reason, 0))
+
+    def stream_choices(self, index, text, logprobs, finish_reason, stop_reason, text_offset):
+        return [CompletionChunkChoice(**self._fields(index, text, logprobs, finish_reason, stop_reason, text_offset))]
+
+    def _fields(self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+                stop_reason: str | int | None, text_offset: int) -> dict:
+        shown = None if logprobs is None else self._logprobs(logprobs, text_offset)
+        return dict(index=index, text=text, logprobs=shown, finish_reason=finish_reason, stop_reason=stop_reason)
 
     def _logprobs(self, logprobs: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
         tokens, offsets = [], []
@@ -112,49 +130,118 @@ class CompletionBuilder(ResponseBuilder):
 
 
 class ChatBuilder(ResponseBuilder):
-    """With `tool_choice` ("required" or a named function) each completion is the tool grammar's
-    JSON and becomes `tool_calls`; a stream sends them whole in the choice's last delta."""
+    """Each choice's text goes through its ChoiceParser (chat_output.py): with a reasoning parser
+    the reasoning becomes reasoning_content; with tool_choice "auto" the calls the tool parser
+    finds become tool_calls (a stream sends each once it is whole: a delta with its id and name,
+    then one with its arguments), and finish_reason is "tool_calls" when there are any (as vLLM,
+    also for a choice cut short by max_tokens after a call). With tool_choice "required" or a
+    named function the content is the tool grammar's JSON and becomes tool_calls once the choice
+    has ended; a stream sends them whole in the choice's last delta."""
 
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
     response_model, chunk_model = ChatCompletion, ChatCompletionChunk
     prompt_logprobs_in_choices = False
 
-    def __init__(self, model: str, tokenizer: Any, request_id: str, tool_choice: ToolChoice | None = None):
+    def __init__(self, model: str, tokenizer: Any, request_id: str, output: ChatOutput | None = None):
         super().__init__(model, tokenizer, request_id)
-        self.tool_choice = tool_choice
-        self._tool_text: dict[int, str] = defaultdict(str)  # streamed text per choice, in tool mode
+        self.output = output or ChatOutput()
+        self._parsers: dict[int, ChoiceParser] = {}
+        self._grammar_text: dict[int, str] = defaultdict(str)  # content so far per choice, in grammar tool mode
+        self._num_calls: dict[int, int] = defaultdict(int)  # parsed calls sent per choice
 
     def opening_choices(self, num_choices: int) -> list[ResponseBody]:
         return [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""), logprobs=None,
                                 finish_reason=None) for i in range(num_choices)]
 
-    def choice(self, index, text, logprobs, finish_reason, stop_reason, text_offset, streaming):
-        if self.tool_choice is not None:
-            message, finish_reason = self._tool_message(index, text, finish_reason, streaming)
-        else:
-            message = {"content": text} if text or not streaming else {}
-        fields = dict(index=index, logprobs=None if logprobs is None else ChatLogprobs(
-            content=[self._entry(lp) for lp in logprobs]), finish_reason=finish_reason, stop_reason=stop_reason)
-        if streaming:
-            return ChatChunkChoice(delta=ChatDelta(**message), **fields)
-        return ChatChoice(message=AssistantMessage(role="assistant", **message), **fields)
+    def choice(self, index, text, logprobs, finish_reason, stop_reason):
+        parser = self._parser(index)
+        delta = parser.feed(text)
+        delta += parser.finish()
+        calls, content = [tool_call(call.name, call.arguments) for call in delta.calls], delta.content
+        if calls:
+            finish_reason = "tool_calls"
+        if self.output.grammar_tool_choice is not None:
+            grammar_calls, finish_reason = self._grammar_calls(content, finish_reason)
+            if grammar_calls is not None:
+                calls, content = grammar_calls, ""
+        message = self._reasoning_field(delta) | ({"tool_calls": calls} if calls else {})
+        content = content or (None if calls or delta.reasoning else content)
+        return ChatChoice(index=index, message=AssistantMessage(role="assistant", content=content, **message),
+                          logprobs=self._chat_logprobs(logprobs), finish_reason=finish_reason, stop_reason=stop_reason)
 
-    def _tool_message(self, index: int, text: str, finish_reason: str | None,
-                      streaming: bool) -> tuple[dict, str | None]:
-        """The fields of a tool-mode choice's message (or delta) and its finish reason: tool_calls
-        once the whole completion is known, the raw text if it is not a complete call (cut by max_tokens)."""
-        if streaming:
-            self._tool_text[index] += text
-            if finish_reason is None:
-                return {}, None
-            text = self._tool_text.pop(index)
-        calls = tool_calls(text, self.tool_choice) if finish_reason == "stop" else None
+    def stream_choices(self, index, text, logprobs, finish_reason, stop_reason, text_offset):
+        parser = self._parser(index)
+        delta = parser.feed(text)
+        if finish_reason is not None:
+            delta += parser.finish()
+        grammar_mode = self.output.grammar_tool_choice is not None
+        if grammar_mode:  # the content is the tool grammar's JSON, sent as calls once it has all come
+            self._grammar_text[index] += delta.content
+        fields = self._reasoning_field(delta, streaming=True)
+        if delta.content and not grammar_mode:
+            fields["content"] = delta.content
+        deltas = ([ChatDelta(**fields)] if fields else []) + self._call_deltas(index, delta.calls)
+        if finish_reason is not None and grammar_mode:
+            last, finish_reason = self._grammar_delta(index, finish_reason)
+            deltas.append(last)
+        if finish_reason is not None and self._num_calls[index]:
+            finish_reason = "tool_calls"
+        deltas = deltas or [ChatDelta()]
+        end = len(deltas) - 1
+        return [ChatChunkChoice(index=index, delta=d, logprobs=self._chat_logprobs(logprobs) if i == 0 else None,
+                                finish_reason=finish_reason if i == end else None,
+                                stop_reason=stop_reason if i == end else None) for i, d in enumerate(deltas)]
+
+    def _call_deltas(self, index: int, calls: list[ParsedToolCall]) -> list[ChatDelta]:
+        """Two deltas per parsed call: its id, type and name, then its arguments."""
+        deltas = []
+        for call in calls:
+            i = self._num_calls[index]
+            self._num_calls[index] += 1
+            deltas += [ChatDelta(tool_calls=[ToolCallDelta(index=i, id=new_tool_call_id(), type="function",
+                                                           function=FunctionCallDelta(name=call.name, arguments=""))]),
+                       ChatDelta(tool_calls=[ToolCallDelta(index=i, function=FunctionCallDelta(
+                           arguments=call.arguments))])]
+        return deltas
+
+    def _grammar_delta(self, index: int, finish_reason: str) -> tuple[ChatDelta, str]:
+        """A grammar tool mode choice's last delta (its calls whole, or its text if it was cut
+        short) and finish reason."""
+        text = self._grammar_text.pop(index)
+        calls, finish_reason = self._grammar_calls(text, finish_reason)
         if calls is None:
-            return {"content": text}, finish_reason
-        if streaming:
-            calls = [ToolCallDelta(index=i, id=call.id, type=call.type, function=call.function)
-                     for i, call in enumerate(calls)]
-        return {"content": None, "tool_calls": calls}, "tool_calls" if self.tool_choice == "required" else "stop"
+            return ChatDelta(content=text), finish_reason
+        return ChatDelta(content=None, tool_calls=[
+            ToolCallDelta(index=i, id=c.id, type=c.type, function=FunctionCallDelta(**c.function.model_dump()))
+            for i, c in enumerate(calls)]), finish_reason
+
+    def reasoning_tokens(self, index: int, token_ids: list[int]) -> int | None:
+        reasoning = self.output.reasoning
+        if reasoning is None:
+            return None
+        return reasoning.reasoning_tokens(token_ids, self._parser(index).reasoning_ended, self._tokenizer)
+
+    def _parser(self, index: int) -> ChoiceParser:
+        if index not in self._parsers:
+            self._parsers[index] = self.output.choice_parser()
+        return self._parsers[index]
+
+    def _reasoning_field(self, delta: ChoiceDelta, streaming: bool = False) -> dict:
+        """reasoning_content, when there is a reasoning parser (a stream's: when there is reasoning)."""
+        if self.output.reasoning is None or (streaming and not delta.reasoning):
+            return {}
+        return {"reasoning_content": delta.reasoning or None}
+
+    def _grammar_calls(self, text: str, finish_reason: str) -> tuple[list[ToolCall] | None, str]:
+        """The calls of a completion the tool grammar made, and its finish reason: None (and the
+        engine's reason) unless it ended complete; "tool_calls" for "required", "stop" for a named function."""
+        calls = tool_calls(text, self.output.tool_choice) if finish_reason == "stop" else None
+        if calls is None:
+            return None, finish_reason
+        return calls, "tool_calls" if self.output.tool_choice == "required" else "stop"
+
+    def _chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> ChatLogprobs | None:
+        return None if logprobs is None else ChatLogprobs(content=[self._entry(lp) for lp in logprobs])
 
     def _entry(self, lp: TokenLogprob) -> ChatCompletionTokenLogprob:
         return ChatCompletionTokenLogprob(**self._token(lp.token_id, lp.logprob),

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from zipage_jax.server.protocol import FunctionCall, ToolCall
+from zipage_jax.server.protocol import ToolCall
 
 
 class ResponseBody(BaseModel):
@@ -71,17 +71,27 @@ class PromptTokensDetails(ResponseBody):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(ResponseBody):
+    reasoning_tokens: int  # generated tokens of the reasoning, its tags included (with a reasoning parser)
+
+
 class Usage(ResponseBody):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
     prompt_tokens_details: PromptTokensDetails | None = None  # absent from continuous_usage_stats chunks
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
-        """OpenAI's usage; `cached_tokens`: prompt tokens found in the prefix cache (else no details)."""
-        details = {} if cached_tokens is None else {"prompt_tokens_details": PromptTokensDetails(
-            cached_tokens=cached_tokens)}
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+           reasoning_tokens: int | None = None) -> Usage:
+        """OpenAI's usage; `cached_tokens`: prompt tokens found in the prefix cache, `reasoning_tokens`:
+        completion tokens of the reasoning (each None: no such details)."""
+        details = {}
+        if reasoning_tokens is not None:
+            details["completion_tokens_details"] = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+        if cached_tokens is not None:
+            details["prompt_tokens_details"] = PromptTokensDetails(cached_tokens=cached_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens, **details)
 
@@ -144,7 +154,8 @@ class ChatLogprobs(ResponseBody):
 
 class AssistantMessage(ResponseBody):
     role: Literal["assistant"]
-    content: str | None  # None when the message is tool calls
+    content: str | None  # None when the message is tool calls (or reasoning) alone
+    reasoning_content: str | None = None  # with a reasoning parser (vLLM)
     tool_calls: list[ToolCall] | None = None
 
 
@@ -187,18 +198,26 @@ class CompletionChunk(ResponseBody):
     usage: Usage | None = None
 
 
-class ToolCallDelta(ResponseBody):
-    """A tool call in a stream: sent whole, in its choice's last delta."""
+class FunctionCallDelta(ResponseBody):
+    name: str | None = None  # in a call's first delta
+    arguments: str | None = None  # the JSON text of the arguments, or the next piece of it
 
-    index: int
-    id: str
-    type: Literal["function"]
-    function: FunctionCall
+
+class ToolCallDelta(ResponseBody):
+    """A tool call in a stream, or a piece of one: its first delta has the id, the type and the
+    function's name (a parsed call's has arguments "", its next delta the arguments); one made
+    by tool_choice "required" or a named function comes whole, in its choice's last delta."""
+
+    index: int  # of the call in its choice
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatDelta(ResponseBody):
     role: Literal["assistant"] | None = None  # in the opening chunk
     content: str | None = None  # None beside tool calls
+    reasoning_content: str | None = None  # with a reasoning parser (vLLM)
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from zipage_jax.engine.admission import check_prompt_length
 from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import MAX_N, SamplingParams
+from zipage_jax.server.chat_output import ChatParsing
 from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
 from zipage_jax.server.errors import OpenAIError
 from zipage_jax.server.format_thread import FormatThread
@@ -32,11 +33,13 @@ CLIENT_CLOSED = 499
 class OpenAIServing:
     def __init__(self, engine_factory: Callable[[], LLMEngine], served: ServedModels, limits: RequestLimits,
                  max_n: int, max_queued_requests: int, on_load_error: Callable[[BaseException], None] | None,
-                 on_engine_error: Callable[[BaseException], None] | None, warmup: bool):
+                 on_engine_error: Callable[[BaseException], None] | None, warmup: bool,
+                 chat_parsing: ChatParsing | None = None):
         """Raises ValueError for a bad value (see create_app)."""
         if not 1 <= max_n <= MAX_N:
             raise ValueError(f"max_n must be in [1, {MAX_N}], got {max_n}")
         self.served, self.limits, self.max_n = served, limits, max_n
+        self.chat_parsing = chat_parsing or ChatParsing()
         self.metrics = ServerMetrics(served.names[0], lambda: self.engine_loop.stats,
                                      lambda: self.engine_loop.warmup_status)
         self.queue = QueueCapacity(max_queued_requests, on_refused=lambda: self.metrics.refused("queue_full"))

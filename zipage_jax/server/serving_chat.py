@@ -1,5 +1,5 @@
 """POST /v1/chat/completions: the messages rendered with the model's chat template, completed n
-times; with tools, the completions are tool calls."""
+times; the completions are split into reasoning, content and tool calls (chat_output.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from zipage_jax.server.generation import Generation
 from zipage_jax.server.protocol import ChatCompletionRequest
 from zipage_jax.server.response_builders import ChatBuilder
 from zipage_jax.server.serving import OpenAIServing, engine_param_names, max_tokens, sampling_params
-from zipage_jax.server.structured import grammar, tool_mode
+from zipage_jax.server.structured import grammar
 
 _PROMPT_PARAM = {"prompt": "messages"}  # the engine's name of what the request calls messages
 
@@ -26,14 +26,17 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
         prompt = await preprocessor.run(preprocessor.chat_prompt, body, limit)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         most = max_tokens(len(prompt), requested, limit, limit - len(prompt), _PROMPT_PARAM)
-        structured = grammar(body.response_format, body.structured_outputs, body.tools, body.tool_choice,
-                             body.parallel_tool_calls)
+        tokenizer = serving.engine_loop.tokenizer
+        output = serving.chat_parsing.for_request(body.tools, body.tool_choice, prompt, tokenizer)
+        structured = grammar(body.response_format, body.structured_outputs, body.tools, output.tool_choice,
+                             body.parallel_tool_calls, output.tool_parser, output.reasoning)
         renames = engine_param_names(structured, {**_PROMPT_PARAM, "logprobs": "top_logprobs"})
+        # a tool parser reads markers that may be special tokens (as vLLM's: whatever the request says)
+        keep_special = {} if output.tool_parser is None else {"skip_special_tokens": False}
         params = sampling_params(body, most, (body.top_logprobs or 0) if body.logprobs else None, renames,
-                                 structured)
+                                 structured, **keep_special)
         request_id = request.state.request_id
-        builder = ChatBuilder(body.model, serving.engine_loop.tokenizer, request_id,
-                              tool_mode(body.tools, body.tool_choice))
+        builder = ChatBuilder(body.model, tokenizer, request_id, output)
         generation = Generation(serving.engine_loop, [prompt], params, builder, request_id, reservation,
                                 serving.format_thread)
         return await serving.respond(request, body, generation, renames)

@@ -37,8 +37,8 @@ logger = logging.getLogger("zipage_jax")
 _PACKAGES = ("zipage_jax", "pallas_kernels")
 _FORMAT = 1  # bump when the entry layout changes
 # EngineConfig fields that shape no compiled program (host-side scheduling and logging)
-HOST_ONLY_OPTIONS = frozenset({"model", "warmup", "log_interval_s", "compilation_cache_dir", "enable_prefix_caching",
-                               "async_scheduling", "profile_compaction", "seed"})
+HOST_ONLY_OPTIONS = frozenset({"model", "revision", "download_dir", "warmup", "log_interval_s", "compilation_cache_dir",
+                               "enable_prefix_caching", "async_scheduling", "profile_compaction", "seed"})
 
 
 def store_directory(option: str | None) -> Path | None:

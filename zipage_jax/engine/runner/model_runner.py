@@ -10,6 +10,10 @@ A forward step is three programs (embed, a group of layers called once per group
 forward.py) and a compaction one program called per layer, so compile time does not grow with
 depth. Which programs exist and which one a step runs in: grid.py; its inputs: inputs.py and
 compaction.py.
+
+Served over several processes, process 0's runner relays each call that runs a program on the
+mesh (the methods step_relay.RELAYED names, each taking host arguments only) to the other
+processes' runners before making it (`relay`; None in a single process).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from zipage_jax.backend import Backend
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.block_manager import CompressionPlan
 from zipage_jax.engine.pool_plan import KVPoolPlan
-from zipage_jax.engine.runner.compaction import compaction_tables
+from zipage_jax.engine.runner.compaction import CompactionTables, compaction_tables
 from zipage_jax.engine.runner.executable_store import engine_store
 from zipage_jax.engine.runner.forward import StagedForward, layers_per_group
 from zipage_jax.engine.runner.grid import GridProgram, ProgramGrid
@@ -37,13 +41,16 @@ from zipage_jax.engine.runner.inputs import ChunkRows, InputLayout
 from zipage_jax.engine.runner.programs import CompiledSteps, ProgramRecord
 from zipage_jax.engine.runner.results import PendingBatch, PromptLogprobsResult, RowFailure, StepResult
 from zipage_jax.engine.runner.sampling_batch import SamplingRow
+from zipage_jax.engine.runner.step_relay import LeaderRelay
 from zipage_jax.engine.runner.steps import DeviceState, compress_layer, seed_history
 from zipage_jax.engine.scheduler import Chunk
 from zipage_jax.engine.sequence import Sequence
 from zipage_jax.engine.sharding import shard_model
 from zipage_jax.layers.kv_cache import KVState
+from zipage_jax.layers.paged_attention import StepInputs
+from zipage_jax.layers.prompt_logprobs import PromptLogprobs
 from zipage_jax.layers.rotary import inv_frequencies
-from zipage_jax.layers.sampler import SamplerState
+from zipage_jax.layers.sampler import SamplerOutput, SamplerState, SamplingBatch
 from zipage_jax.models.decoder import stages
 from zipage_jax.models.loading import LoadedModel
 
@@ -85,6 +92,7 @@ class ModelRunner:
         self.grid = ProgramGrid(self.forward, self.compressor, self.seeder, config=config, pool=pool,
                                 layout=self.inputs, abstract_state=self.abstract_state)
         self.compress_seconds = 0.0  # measured with config.profile_compaction only
+        self.relay: LeaderRelay | None = None  # set by LeaderRelay.attach on process 0 of a multi-process group
 
     @property
     def backend(self) -> Backend:
@@ -127,6 +135,7 @@ class ModelRunner:
         """After a failed step: frees what is left of the device state (a failed call may have
         consumed it, or left it holding poisoned buffers) and builds a fresh one. The compiled
         executables stay valid: the new state has the old one's shapes and placement."""
+        self._relay("reset_state")
         for leaf in jax.tree.leaves(self.state):
             if not leaf.is_deleted():
                 leaf.delete()  # the old pool goes before the new one is allocated
@@ -164,14 +173,21 @@ class ModelRunner:
         if profile:  # time the compaction alone, not the forward step still in flight
             jax.block_until_ready(self.state)
         start = time.perf_counter()
+        self.run_compaction(key, tables)
+        if profile:
+            jax.block_until_ready(self.state)
+            self.compress_seconds += time.perf_counter() - start
+
+    def run_compaction(self, key: tuple, tables: CompactionTables) -> None:
+        """The compaction program `key` over every layer of the device state."""
+        kv = self.abstract_state.kv
+        self.compressor.get(key, KVState(kv.pools[:1], kv.queries[:1]), *tables)  # built before it is relayed
+        self._relay("run_compaction", key, tables)
         pools, queries = list(self.state.kv.pools), list(self.state.kv.queries)
         for i in range(len(pools)):  # one program, called per layer
             layer = self.compressor(key, KVState((pools[i],), (queries[i],)), *tables)
             pools[i], queries[i] = layer.pools[0], layer.queries[0]
         self.state = self.state._replace(kv=KVState(tuple(pools), tuple(queries)))
-        if profile:
-            jax.block_until_ready(self.state)
-            self.compress_seconds += time.perf_counter() - start
 
     # -- forward --------------------------------------------------------------------------
 
@@ -190,7 +206,7 @@ class ModelRunner:
                 failures.append(RowFailure(chunk, exc))
         decoding_next = sum(c.num_tokens == 1 or c.samples for c, _ in rows)
         if decoding_next:  # the next step's decode program builds beside this step
-            self.grid.prefetch_decode(decoding_next)
+            self.prefetch_decode(decoding_next)
         pending = []
         for is_decode in (True, False):
             picked = [(c, r) for c, r in rows if (c.num_tokens + c.tail == 1) == is_decode]
@@ -228,11 +244,24 @@ class ModelRunner:
             return None
         key = self.grid.forward_key(is_decode, num_rows)
         batch = self.inputs.batch(prepared, key[1], chunk_len)
-        args = (batch.inputs, batch.sampling, batch.prompt_targets)
+        outputs, prompt = self.run_forward(key, batch.inputs, batch.sampling, batch.prompt_targets)
+        return PendingBatch(batch.chunks, batch.rows, outputs, batch.prompt_chunks, prompt)
+
+    def run_forward(self, key: tuple, inputs: StepInputs, sampling: SamplingBatch, prompt_targets: np.ndarray
+                    ) -> tuple[SamplerOutput, PromptLogprobs]:
+        """The forward step `key` over host inputs; its sampled tokens and prompt log-probabilities
+        (device arrays, still being computed)."""
+        args = (inputs, sampling, prompt_targets)
         # the programs first: they load or compile while the device state may still be zeroed
         self.forward.get(key, self.abstract_state, *args)
+        self._relay("run_forward", key, *args)
         self.state, outputs, prompt = self.forward(key, self.state, *args)
-        return PendingBatch(batch.chunks, batch.rows, outputs, batch.prompt_chunks, prompt)
+        return outputs, prompt
+
+    def prefetch_decode(self, num_rows: int) -> None:
+        """Builds the decode step for `num_rows` rows on a thread of its own unless one is ready."""
+        self._relay("prefetch_decode", num_rows)
+        self.grid.prefetch_decode(num_rows)
 
     def seed_history(self, seq: Sequence) -> None:
         """Clears `seq`'s state slot and counts its cached prefix tokens (penalised requests
@@ -241,8 +270,18 @@ class ModelRunner:
         key = self.grid.history_key(n)
         tokens = np.full((1, key[1]), -1, np.int32)
         tokens[0, :n] = seq.token_ids[:n]
-        self.state = self.seeder(key, self.state, np.array([seq.state_slot], np.int32), tokens,
-                                 np.array([seq.num_prompt_tokens], np.int32))
+        self.run_seed(key, np.array([seq.state_slot], np.int32), tokens, np.array([seq.num_prompt_tokens], np.int32))
+
+    def run_seed(self, key: tuple, slot: np.ndarray, tokens: np.ndarray, num_prompt: np.ndarray) -> None:
+        """The history-seeding program `key`: clears state slot `slot` and counts `tokens`."""
+        self.seeder.get(key, self.abstract_state, slot, tokens, num_prompt)  # built before it is relayed
+        self._relay("run_seed", key, slot, tokens, num_prompt)
+        self.state = self.seeder(key, self.state, slot, tokens, num_prompt)
+
+    def _relay(self, method: str, *args) -> None:
+        """Process 0 of a multi-process group: the other processes make this call too."""
+        if self.relay is not None:
+            self.relay.publish(method, args)
 
 
 def _background(fn: Callable[[], DeviceState]) -> Future:

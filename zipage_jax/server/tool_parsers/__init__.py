@@ -1,0 +1,21 @@
+"""Tool-call parsers by name (`zipage-jax serve --tool-call-parser NAME`): each reads one model
+family's tool-call format out of the generated text (base.py says how). A new format is one
+module with a ToolParser subclass, listed here."""
+
+from __future__ import annotations
+
+from zipage_jax.server.tool_parsers.base import ParsedToolCall, ToolCallStream, ToolDelta, ToolParser
+from zipage_jax.server.tool_parsers.hermes import HermesToolParser
+from zipage_jax.server.tool_parsers.llama3_json import Llama3JsonToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesToolParser,
+                                                                                Llama3JsonToolParser)}
+
+__all__ = ["TOOL_PARSERS", "ParsedToolCall", "ToolCallStream", "ToolDelta", "ToolParser", "get_tool_parser"]
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    """The parser called `name`; ValueError naming the choices for any other."""
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose from {', '.join(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name]
