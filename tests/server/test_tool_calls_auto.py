@@ -1,7 +1,7 @@
 """tool_choice "auto" through the server, with the official openai client: a server with
 --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3 whose model output
-is scripted token by token (ScriptedEngine: each test sets the script), so the markers arrive
-split over many deltas."""
+is scripted token by token (ScriptedEngine: each test sets the script), so the markers and the
+calls' arguments arrive split over many deltas."""
 
 from __future__ import annotations
 
@@ -20,9 +20,14 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}}}}
+WRITE = {"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "text": {"type": "string"}}}}}
 PARIS = {"city": "Paris", "days": 3}
 CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
 CALL_TIME = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+LONG_TEXT = "All work and no play makes Jack a dull boy, all work and no play."
+WRITE_ARGS = {"path": "notes/jack.txt", "text": LONG_TEXT}
+CALL_WRITE = ('<tool_call>\n{"name": "write_file", "arguments": ' + json.dumps(WRITE_ARGS) + "}\n</tool_call>")
 MARKER_PIECES = ("<t", "<tool", "</", "tool_call>", "<think", "</think")
 
 
@@ -70,54 +75,73 @@ def test_two_calls_and_text_after_them(server):
 
 
 def test_text_without_calls_is_content(server):
-    for script in ("No tool needed: it is sunny.", CALL_PARIS.replace('"arguments": {', '"arguments": {{')):
+    for script in ("No tool needed: it is sunny.", CALL_PARIS.replace('"get_weather"', "get_weather")):
         choice = chat(server, script).choices[0]
         assert choice.message.content == script and choice.message.tool_calls is None  # malformed: text
         assert choice.finish_reason == "stop"
 
 
-def test_a_streamed_call_comes_as_id_and_name_then_arguments(server):
-    server.engine.script = "Let me check.\n" + CALL_PARIS + "\n" + CALL_TIME
-    chunks = list(server.client.chat.completions.create(model=MODEL, messages=USER, max_tokens=200, tools=[
-        WEATHER, TIME], stream=True, stream_options={"include_usage": True}))
+def stream_chunks(server, script: str, **fields) -> list:
+    server.engine.script = script
+    fields = {"tools": [WEATHER, TIME, WRITE], "max_tokens": 200, **fields}
+    return list(server.client.chat.completions.create(model=MODEL, messages=USER, stream=True, **fields))
+
+
+def accumulated(chunks):
+    """The client's own accumulation of a stream: the choice it makes of the chunks."""
+    state = ChatCompletionStreamState()
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    return state.get_final_completion().choices[0]
+
+
+def test_a_streamed_call_comes_as_id_and_name_then_its_arguments_as_written(server):
+    script = "Let me check.\n" + CALL_WRITE + "\n" + CALL_TIME
+    whole = chat(server, script, tools=[WEATHER, TIME, WRITE]).choices[0].message
+    chunks = stream_chunks(server, script, stream_options={"include_usage": True})
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     contents = [d.content for d in deltas if d.content]
     assert "".join(contents) == "Let me check.\n"
-    assert not any(piece in content for content in contents for piece in MARKER_PIECES)
+    assert [len(d.tool_calls) for d in deltas if d.tool_calls] == [1] * sum(bool(d.tool_calls) for d in deltas)
     entries = [tc for d in deltas for tc in d.tool_calls or []]
-    assert [len(d.tool_calls) for d in deltas if d.tool_calls] == [1] * 4  # one entry per chunk
-    for index, (name, args) in enumerate([("get_weather", PARIS), ("get_time", {"zone": "CET"})]):
+    for index, (name, args) in enumerate([("write_file", WRITE_ARGS), ("get_time", {"zone": "CET"})]):
         first, *rest = [e for e in entries if e.index == index]
         assert first.id.startswith("call_") and first.type == "function"
         assert first.function.name == name and first.function.arguments == ""
-        assert all(e.id is None and e.function.name is None for e in rest)
-        assert json.loads("".join(e.function.arguments for e in rest)) == args
+        assert all(e.id is None and e.type is None and e.function.name is None for e in rest)
+        pieces = [e.function.arguments for e in rest]
+        assert "".join(pieces) == whole.tool_calls[index].function.arguments and json.loads("".join(pieces)) == args
+        assert not any(marker in piece for piece in pieces + contents for marker in MARKER_PIECES)
+    assert len([e for e in entries if e.index == 0]) > 20  # the long arguments came as they were written
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == "tool_calls" and set(finishes[:-1]) == {None}
     assert chunks[-1].usage.completion_tokens > 0
-    state = ChatCompletionStreamState()  # the client's own accumulation of a stream
-    for chunk in chunks:
-        state.handle_chunk(chunk)
-    message = state.get_final_completion().choices[0].message
+    message = accumulated(chunks).message
     assert message.content == "Let me check.\n"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
-        ("get_weather", PARIS), ("get_time", {"zone": "CET"})]
+        ("write_file", WRITE_ARGS), ("get_time", {"zone": "CET"})]
+
+
+def tokens_until(server, script: str, piece: str) -> int:
+    """The fewest of the script's tokens whose text holds `piece`."""
+    tokenizer = server.engine.tokenizer
+    ids = tokenizer(script, add_special_tokens=False)["input_ids"]
+    return next(n for n in range(len(ids) + 1) if piece in tokenizer.decode(ids[:n]))
 
 
 def test_streamed_and_whole_responses_agree(server):
-    for script in ("plain <tool text", "a" + CALL_PARIS + "b", CALL_PARIS[:-4]):
-        whole = chat(server, script).choices[0]
-        server.engine.script = script
-        stream = server.client.chat.completions.create(model=MODEL, messages=USER, max_tokens=200,
-                                                       tools=[WEATHER], stream=True)
-        state = ChatCompletionStreamState()
-        for chunk in stream:
-            state.handle_chunk(chunk)
-        streamed = state.get_final_completion().choices[0]
+    malformed = CALL_PARIS.replace('"days": 3}', '"days": 3,,}')  # the JSON breaks after the name
+    cut_in_arguments = {"max_tokens": tokens_until(server, CALL_WRITE, "Jack a dull")}
+    for script, fields in [("plain <tool text", {}), ("a" + CALL_PARIS + "b", {}), (CALL_PARIS[:-4], {}),
+                           (malformed, {}), (CALL_WRITE, cut_in_arguments)]:
+        whole = chat(server, script, **fields).choices[0]
+        streamed = accumulated(stream_chunks(server, script, tools=[WEATHER], **fields))
         assert (streamed.message.content or None) == whole.message.content, script  # the opening delta has ""
         assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls or []] == [
             (c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
         assert streamed.finish_reason == whole.finish_reason
+    assert whole.message.tool_calls[0].function.arguments.endswith("Jack a dull")  # cut short: the text written
+    assert whole.finish_reason == "tool_calls"
 
 
 def test_each_of_n_choices_has_its_own_calls(server):
@@ -140,7 +164,8 @@ def test_max_tokens_after_a_call_still_finishes_with_tool_calls(server):
     num_tokens = len(server.engine.tokenizer(CALL_PARIS + "\nand", add_special_tokens=False)["input_ids"])
     choice = chat(server, script, max_tokens=num_tokens).choices[0]
     assert choice.finish_reason == "tool_calls" and arguments(choice.message.tool_calls[0]) == PARIS  # as vLLM
-    cut_inside = chat(server, script, max_tokens=10).choices[0]
+    before_the_name = tokens_until(server, script, '"get_weath')
+    cut_inside = chat(server, script, max_tokens=before_the_name).choices[0]
     assert cut_inside.finish_reason == "length" and cut_inside.message.tool_calls is None
     assert cut_inside.message.content.startswith("<tool_call>")
 

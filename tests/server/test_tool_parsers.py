@@ -1,7 +1,7 @@
 """Tool-call parsers (zipage_jax/server/tool_parsers): each format's content and calls for whole
 outputs, the same for the output streamed in every two-piece split and one character at a time
-(no delta holds a piece of a marker), and the strict grammars checked token by token with the
-engine's grammar matcher."""
+(a call's name first, then its arguments as they are written; no delta holds a piece of a
+marker), and the strict grammars checked token by token with the engine's grammar matcher."""
 
 from __future__ import annotations
 
@@ -14,14 +14,10 @@ from output_parsing import WEATHER_PARAMS, accepts, call_schema, random_output, 
 
 from zipage_jax.engine.grammar import JSON_OPTIONS
 from zipage_jax.server.structured import JSON_LAYOUT
-from zipage_jax.server.tool_parsers import TOOL_PARSERS, ParsedToolCall, get_tool_parser
+from zipage_jax.server.tool_parsers import TOOL_PARSERS, ToolCallPiece, get_tool_parser, whole_calls
 
 HERMES = get_tool_parser("hermes")()
 LLAMA = get_tool_parser("llama3_json")()
-
-
-def call(name: str, arguments: dict) -> ParsedToolCall:
-    return ParsedToolCall(name, json.dumps(arguments, ensure_ascii=False))
 
 
 def block(body: str) -> str:
@@ -30,76 +26,111 @@ def block(body: str) -> str:
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
 TIME = '{"name": "get_time", "arguments": {"zone": "CET"}}'
-# (output, content, calls)
+PARIS = ("get_weather", {"city": "Paris", "days": 3})
+CET = ("get_time", {"zone": "CET"})
+# (output, content, calls): a call's arguments are the object the model wrote (its text as json.dumps
+# writes it), or the text itself where that is not json.dumps's (other spacing, or malformed)
 HERMES_CASES = [
     ("Hello there, no tools needed.", "Hello there, no tools needed.", []),
-    (block(WEATHER), None, [call("get_weather", {"city": "Paris", "days": 3})]),
-    ("Let me check.\n" + block(WEATHER), "Let me check.\n", [call("get_weather", {"city": "Paris", "days": 3})]),
-    (block(WEATHER) + "\n" + block(TIME), None,
-     [call("get_weather", {"city": "Paris", "days": 3}), call("get_time", {"zone": "CET"})]),
-    (block(WEATHER) + "\n\nDone.", "Done.", [call("get_weather", {"city": "Paris", "days": 3})]),
-    ("<tool_call>\n" + TIME, None, [call("get_time", {"zone": "CET"})]),  # an unclosed last block, JSON complete
-    ("<tool_call>\n" + TIME + "\n</tool_", None, [call("get_time", {"zone": "CET"})]),  # cut inside the end tag
-    ('Hi <tool_call>\n{"name": "get_time", "argu', 'Hi <tool_call>\n{"name": "get_time", "argu', []),  # cut short
-    (block("{not json}") + " after", block("{not json}") + " after", []),  # malformed: text, tag included
-    (block('["a list"]') + block(TIME), block('["a list"]'), [call("get_time", {"zone": "CET"})]),
-    ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', None, [call("f", {"x": 1})]),
-    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', None, [call("f", {"x": 1})]),
-    (block('{"name": "f"}'), None, [call("f", {})]),
-    (block('{"name": "say", "arguments": {"text": "Zürich {\\"<tool_call>\\"}"}}'), None,
-     [call("say", {"text": 'Zürich {"<tool_call>"}'})]),
+    (block(WEATHER), None, [PARIS]),
+    ("Let me check.\n" + block(WEATHER), "Let me check.\n", [PARIS]),
+    (block(WEATHER) + "\n" + block(TIME), None, [PARIS, CET]),
+    (block(WEATHER) + "\n\nDone.", "Done.", [PARIS]),
+    ("<tool_call>\n" + TIME, None, [CET]),  # an unclosed last block
+    ("<tool_call>\n" + TIME + "\n</tool_", None, [CET]),  # cut inside the end tag
+    (block('{ "name" :"f","arguments":{ "a" :[1,2] , "b": "}"}}'), None, [("f", '{ "a" :[1,2] , "b": "}"}')]),
+    ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', None, [("f", {"x": 1})]),
+    ('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>', None, [("f", {"x": 1})]),  # a string
+    (block('{"arguments": {"x": 1}, "name": "f"}'), None, [("f", {"x": 1})]),  # the name last: whole at the end
+    (block('{"name": "f"}'), None, [("f", {})]),
+    (block('{"id": 7, "name": "f", "arguments": {"x": {"y": []}}}'), None, [("f", {"x": {"y": []}})]),
+    (block('{"name": "say", "arguments": {"text": "Zürich {\\"<tool_call>\\"} a < b"}}'), None,
+     [("say", {"text": 'Zürich {"<tool_call>"} a < b'})]),
+    # the name known, then the JSON breaks or the output ends: the call stands with the text written
+    ('Hi <tool_call>\n{"name": "get_time", "argu', "Hi ", [("get_time", {})]),
+    ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', None, [("f", '{"a": [1, 2')]),
+    ('<tool_call>\n{"name": "f", "arguments": {"a": "x</tool_call> b', "b", [("f", '{"a": "x')]),
+    (block('{"name": "f", "arguments": {"a": 1}, oops}') + " ok", "ok", [("f", {"a": 1})]),
+    (block('{"name": "f", "arguments": null}'), None, [("f", {})]),
+    # no name known: the block is text, tags included
+    ('Hi <tool_call>\n{"name": "get_ti', 'Hi <tool_call>\n{"name": "get_ti', []),
+    (block("{not json}") + " after", block("{not json}") + " after", []),
+    (block('["a list"]') + block(TIME), block('["a list"]'), [CET]),
+    (block('{"x" 1, "name": "f", "arguments": {}}'), block('{"x" 1, "name": "f", "arguments": {}}'), []),
+    (block('{"name": "", "arguments": {}}'), block('{"name": "", "arguments": {}}'), []),
+    (block('{"arguments": {"x": 1}, "name": 3}'), block('{"arguments": {"x": 1}, "name": 3}'), []),
     ("a < b and c <tool_ok> <tool_call", "a < b and c <tool_ok> <tool_call", []),
     ("", None, []),
 ]
 LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+IN_PARIS = ("get_weather", {"city": "Paris"})
 LLAMA_CASES = [
     ("The weather is nice.", "The weather is nice.", []),
     ("  \n  Indented answer", "  \n  Indented answer", []),
-    (LLAMA_CALL, None, [call("get_weather", {"city": "Paris"})]),
-    ("\n <|python_tag|>" + LLAMA_CALL, None, [call("get_weather", {"city": "Paris"})]),
-    (LLAMA_CALL + "; " + '{"name": "get_time", "arguments": {"zone": "CET"}}', None,
-     [call("get_weather", {"city": "Paris"}), call("get_time", {"zone": "CET"})]),
-    ('{"name": "f", "parameters": {"s": "a}b{\\"c"}}', None, [call("f", {"s": 'a}b{"c'})]),
-    (LLAMA_CALL + " That is all.", "That is all.", [call("get_weather", {"city": "Paris"})]),
-    (LLAMA_CALL + '; {"name": 3}', '{"name": 3}', [call("get_weather", {"city": "Paris"})]),
+    (LLAMA_CALL, None, [IN_PARIS]),
+    ("\n <|python_tag|>" + LLAMA_CALL, None, [IN_PARIS]),
+    (LLAMA_CALL + "; " + '{"name": "get_time", "arguments": {"zone": "CET"}}', None, [IN_PARIS, CET]),
+    ('{"name": "f", "parameters": {"s": "a}b{\\"c"}}', None, [("f", {"s": 'a}b{"c'})]),
+    (LLAMA_CALL + " That is all.", "That is all.", [IN_PARIS]),
+    (LLAMA_CALL + '; {"name": 3}', '{"name": 3}', [IN_PARIS]),
+    ('{"parameters": {"a": 1}, "name": "f"}', None, [("f", {"a": 1})]),
     ('{"answer": 42} is JSON', '{"answer": 42} is JSON', []),
-    ('{"name": "f", "parameters": {"a": ', '{"name": "f", "parameters": {"a": ', []),  # cut short
+    ('{"name": "f", "parameters": {"a": ', None, [("f", '{"a": ')]),  # cut short after the name
+    ('{"name": "f", "parameters": {"a": 1}, oops} Bye', "Bye", [("f", {"a": 1})]),
+    ('{"name": "f", "param', None, [("f", {})]),
+    ('{"name": "f', '{"name": "f', []),  # cut short before the name is known
     ("<|python_tag|>", "<|python_tag|>", []),
     ("<|pyth", "<|pyth", []),
     ("<|python_tag|> print(1)", "<|python_tag|> print(1)", []),
     ("", None, []),
 ]
 MARKERS = {"hermes": ["<tool_call>", "</tool_call>"], "llama3_json": ["<|python_tag|>"]}
+BOTH = pytest.mark.parametrize("parser, cases", [(HERMES, HERMES_CASES), (LLAMA, LLAMA_CASES)],
+                               ids=["hermes", "llama3_json"])
 
 
-def stream(parser, pieces: list[str]) -> tuple[list[str], list[ParsedToolCall], list[int]]:
-    """The content deltas, the calls, and after which piece each call came."""
+def arguments_text(arguments: dict | str) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def stream(parser, pieces: list[str]) -> tuple[list[str], list[list[ToolCallPiece]]]:
+    """The content and the call pieces of each delta (the last one: finish's)."""
     state = parser.stream()
-    contents, calls, when = [], [], []
-    for i, piece in enumerate(pieces + [None]):
-        delta = state.feed(piece) if piece is not None else state.finish()
-        contents.append(delta.content)
-        calls += delta.calls
-        when += [i] * len(delta.calls)
-    return contents, calls, when
+    deltas = [state.feed(piece) for piece in pieces] + [state.finish()]
+    return [d.content for d in deltas], [d.calls for d in deltas]
 
 
-@pytest.mark.parametrize("parser, cases", [(HERMES, HERMES_CASES), (LLAMA, LLAMA_CASES)], ids=["hermes", "llama3_json"])
+@BOTH
 def test_whole_outputs(parser, cases):
     for text, content, calls in cases:
-        assert parser.extract(text) == (content, calls), text
+        got_content, got_calls = parser.extract(text)
+        assert got_content == content, text
+        assert [(c.name, c.arguments) for c in got_calls] == [(n, arguments_text(a)) for n, a in calls], text
+        for got, (_, arguments) in zip(got_calls, calls):
+            if isinstance(arguments, dict):  # what the model wrote, character for character
+                assert json.loads(got.arguments) == arguments
 
 
-@pytest.mark.parametrize("parser, cases", [(HERMES, HERMES_CASES), (LLAMA, LLAMA_CASES)], ids=["hermes", "llama3_json"])
+@BOTH
 def test_streams_give_the_whole_output_result_at_every_split(parser, cases):
     for text, content, calls in cases:
+        whole = parser.extract(text)[1]
         for pieces in splits(text):
-            contents, streamed, _ = stream(parser, pieces)
-            assert ("".join(contents) or None, streamed) == (content, calls), pieces
-            for delta in contents:  # no piece of a marker that the content does not hold itself
+            contents, call_pieces = stream(parser, pieces)
+            flat = [piece for delta in call_pieces for piece in delta]
+            assert ("".join(contents) or None, whole_calls(flat)) == (content, whole), pieces
+            # each call: a first piece with its name and no arguments, then pieces of its arguments
+            assert [p.index for p in flat if p.name is not None] == list(range(len(calls)))
+            named = set()
+            for p in flat:
+                assert (p.name is None) == (p.index in named) == (p.arguments != ""), (pieces, p)
+                named.add(p.index)
+            # no piece of a marker that the whole content or arguments do not hold themselves
+            held = [(c, content or "") for c in contents] + [(p.arguments, whole[p.index].arguments) for p in flat]
+            for delta, whole_text in held:
                 for marker in MARKERS[parser.name]:
                     for length in range(2, len(marker) + 1):
-                        assert marker[:length] not in delta or marker[:length] in (content or ""), (pieces, delta)
+                        assert marker[:length] not in delta or marker[:length] in whole_text, (pieces, delta)
 
 
 def test_content_streams_at_once_and_only_a_possible_marker_waits():
@@ -114,14 +145,44 @@ def test_content_streams_at_once_and_only_a_possible_marker_waits():
     assert state.feed("Sure").content == "  Sure"
 
 
-def test_a_call_comes_as_soon_as_its_block_or_object_closes():
-    text = "Checking." + block(WEATHER) + "\n" + block(TIME)
-    first_end = text.index("</tool_call>") + len("</tool_call>")
-    _, calls, when = stream(HERMES, [text[:first_end], text[first_end:-1], text[-1:]])
-    assert [c.name for c in calls] == ["get_weather", "get_time"] and when == [0, 2]
-    text = LLAMA_CALL + "; " + LLAMA_CALL
-    _, calls, when = stream(LLAMA, [text[:len(LLAMA_CALL)], text[len(LLAMA_CALL):]])
-    assert len(calls) == 2 and when == [0, 1]
+def fed(state, text: str) -> list[tuple[int, str | None, str]]:
+    return [(p.index, p.name, p.arguments) for p in state.feed(text).calls]
+
+
+@pytest.mark.parametrize("parser, opening", [(HERMES, "Checking.<tool_call>\n"), (LLAMA, "<|python_tag|>")],
+                         ids=["hermes", "llama3_json"])
+def test_a_call_streams_its_name_once_known_then_its_arguments_as_written(parser, opening):
+    key = parser.arguments_key
+    state = parser.stream()
+    assert fed(state, opening + '{"na') == []
+    assert fed(state, 'me": "wri') == []
+    assert fed(state, 'te') == []
+    assert fed(state, '", ') == [(0, "write", "")]  # the name's string has closed
+    assert fed(state, f'"{key}": ') == []
+    assert fed(state, '{"text": "a lo') == [(0, None, '{"text": "a lo')]
+    assert fed(state, 'ng text') == [(0, None, "ng text")]
+    assert fed(state, ' with } and {') == [(0, None, " with } and {")]
+    assert fed(state, '"}') == [(0, None, '"}')]  # the arguments' object has closed
+    assert fed(state, '}') == []
+    separator = "\n</tool_call>\n<tool_call>\n" if parser is HERMES else "; "
+    assert fed(state, separator + f'{{"{key}": {{"x": 1}}, ') == []  # arguments first: the call comes whole
+    assert fed(state, '"name": "f"') == []
+    assert fed(state, "}") == [(1, "f", ""), (1, None, '{"x": 1}')]
+    assert state.finish().calls == []
+
+
+def test_hermes_holds_back_only_what_may_start_the_end_tag():
+    state = HERMES.stream()
+    fed(state, '<tool_call>{"name": "f", "arguments": {"code": "a <')
+    assert fed(state, "/") == []
+    assert fed(state, "b") == [(0, None, "</b")]
+    assert fed(state, '"}}\n</tool_call>') == [(0, None, '"}')]
+
+
+def test_the_arguments_of_a_string_come_whole_once_it_closes():
+    state = HERMES.stream()
+    assert fed(state, '<tool_call>{"name": "f", "arguments": "{\\"x\\": ') == [(0, "f", "")]
+    assert fed(state, '1}"') == [(0, None, '{"x": 1}')]
 
 
 def test_the_registry():

@@ -11,7 +11,7 @@ from typing import Any
 from zipage_jax.server.protocol import Tool, ToolChoice
 from zipage_jax.server.reasoning_parsers import ReasoningDelta, ReasoningParser, ReasoningStream, get_reasoning_parser
 from zipage_jax.server.structured import resolve_tool_choice
-from zipage_jax.server.tool_parsers import TOOL_PARSERS, ParsedToolCall, ToolCallStream, ToolParser, get_tool_parser
+from zipage_jax.server.tool_parsers import TOOL_PARSERS, ToolCallPiece, ToolCallStream, ToolParser, get_tool_parser
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class ChatOutput:
 class ChoiceDelta:
     reasoning: str = ""
     content: str = ""
-    calls: list[ParsedToolCall] = field(default_factory=list)
+    calls: list[ToolCallPiece] = field(default_factory=list)
 
     def __iadd__(self, other: ChoiceDelta) -> ChoiceDelta:
         self.reasoning += other.reasoning

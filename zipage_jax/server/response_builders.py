@@ -10,7 +10,6 @@ from typing import Any
 
 from zipage_jax.engine.outputs import TokenLogprob
 from zipage_jax.server.chat_output import ChatOutput, ChoiceDelta, ChoiceParser
-from zipage_jax.server.protocol import ToolCall
 from zipage_jax.server.responses import (
     AssistantMessage,
     ChatChoice,
@@ -26,6 +25,7 @@ from zipage_jax.server.responses import (
     CompletionChunkChoice,
     CompletionLogprobs,
     FunctionCallDelta,
+    MessageToolCall,
     PromptLogprob,
     PromptLogprobs,
     ResponseBody,
@@ -34,7 +34,7 @@ from zipage_jax.server.responses import (
     Usage,
 )
 from zipage_jax.server.structured import new_tool_call_id, tool_call, tool_calls
-from zipage_jax.server.tool_parsers import ParsedToolCall
+from zipage_jax.server.tool_parsers import ToolCallPiece, whole_calls
 
 
 class ResponseBuilder(ABC):
@@ -132,11 +132,12 @@ class CompletionBuilder(ResponseBuilder):
 class ChatBuilder(ResponseBuilder):
     """Each choice's text goes through its ChoiceParser (chat_output.py): with a reasoning parser
     the reasoning becomes reasoning_content; with tool_choice "auto" the calls the tool parser
-    finds become tool_calls (a stream sends each once it is whole: a delta with its id and name,
-    then one with its arguments), and finish_reason is "tool_calls" when there are any (as vLLM,
-    also for a choice cut short by max_tokens after a call). With tool_choice "required" or a
-    named function the content is the tool grammar's JSON and becomes tool_calls once the choice
-    has ended; a stream sends them whole in the choice's last delta."""
+    finds become tool_calls (a stream sends each as it is written: a delta with its id and name
+    once the name is known, then deltas with its arguments' next text), and finish_reason is
+    "tool_calls" when there are any (as vLLM, also for a choice cut short by max_tokens after a
+    call). With tool_choice "required" or a named function the content is the tool grammar's
+    JSON and becomes tool_calls once the choice has ended; a stream sends them whole in the
+    choice's last delta."""
 
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
     response_model, chunk_model = ChatCompletion, ChatCompletionChunk
@@ -147,7 +148,7 @@ class ChatBuilder(ResponseBuilder):
         self.output = output or ChatOutput()
         self._parsers: dict[int, ChoiceParser] = {}
         self._grammar_text: dict[int, str] = defaultdict(str)  # content so far per choice, in grammar tool mode
-        self._num_calls: dict[int, int] = defaultdict(int)  # parsed calls sent per choice
+        self._calling: set[int] = set()  # the choices that sent a parsed call
 
     def opening_choices(self, num_choices: int) -> list[ResponseBody]:
         return [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""), logprobs=None,
@@ -157,7 +158,7 @@ class ChatBuilder(ResponseBuilder):
         parser = self._parser(index)
         delta = parser.feed(text)
         delta += parser.finish()
-        calls, content = [tool_call(call.name, call.arguments) for call in delta.calls], delta.content
+        calls, content = [tool_call(call.name, call.arguments) for call in whole_calls(delta.calls)], delta.content
         if calls:
             finish_reason = "tool_calls"
         if self.output.grammar_tool_choice is not None:
@@ -184,7 +185,7 @@ class ChatBuilder(ResponseBuilder):
         if finish_reason is not None and grammar_mode:
             last, finish_reason = self._grammar_delta(index, finish_reason)
             deltas.append(last)
-        if finish_reason is not None and self._num_calls[index]:
+        if finish_reason is not None and index in self._calling:
             finish_reason = "tool_calls"
         deltas = deltas or [ChatDelta()]
         end = len(deltas) - 1
@@ -192,17 +193,15 @@ class ChatBuilder(ResponseBuilder):
                                 finish_reason=finish_reason if i == end else None,
                                 stop_reason=stop_reason if i == end else None) for i, d in enumerate(deltas)]
 
-    def _call_deltas(self, index: int, calls: list[ParsedToolCall]) -> list[ChatDelta]:
-        """Two deltas per parsed call: its id, type and name, then its arguments."""
-        deltas = []
-        for call in calls:
-            i = self._num_calls[index]
-            self._num_calls[index] += 1
-            deltas += [ChatDelta(tool_calls=[ToolCallDelta(index=i, id=new_tool_call_id(), type="function",
-                                                           function=FunctionCallDelta(name=call.name, arguments=""))]),
-                       ChatDelta(tool_calls=[ToolCallDelta(index=i, function=FunctionCallDelta(
-                           arguments=call.arguments))])]
-        return deltas
+    def _call_deltas(self, index: int, pieces: list[ToolCallPiece]) -> list[ChatDelta]:
+        """A delta per piece of a parsed call: the first with the call's id, type and name
+        (arguments ""), the next ones with its arguments' next text."""
+        if pieces:
+            self._calling.add(index)
+        entries = [ToolCallDelta(index=p.index, function=FunctionCallDelta(arguments=p.arguments)) if p.name is None
+                   else ToolCallDelta(index=p.index, id=new_tool_call_id(), type="function",
+                                      function=FunctionCallDelta(name=p.name, arguments="")) for p in pieces]
+        return [ChatDelta(tool_calls=[entry]) for entry in entries]
 
     def _grammar_delta(self, index: int, finish_reason: str) -> tuple[ChatDelta, str]:
         """A grammar tool mode choice's last delta (its calls whole, or its text if it was cut
@@ -232,7 +231,7 @@ class ChatBuilder(ResponseBuilder):
             return {}
         return {"reasoning_content": delta.reasoning or None}
 
-    def _grammar_calls(self, text: str, finish_reason: str) -> tuple[list[ToolCall] | None, str]:
+    def _grammar_calls(self, text: str, finish_reason: str) -> tuple[list[MessageToolCall] | None, str]:
         """The calls of a completion the tool grammar made, and its finish reason: None (and the
         engine's reason) unless it ended complete; "tool_calls" for "required", "stop" for a named function."""
         calls = tool_calls(text, self.output.tool_choice) if finish_reason == "stop" else None

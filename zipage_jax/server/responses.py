@@ -13,8 +13,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from zipage_jax.server.protocol import ToolCall
-
 
 class ResponseBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -152,11 +150,22 @@ class ChatLogprobs(ResponseBody):
     content: list[ChatCompletionTokenLogprob]
 
 
+class MessageFunctionCall(ResponseBody):
+    name: str
+    arguments: str  # JSON text of an object; a parsed call's as the model wrote it (not JSON if it broke it)
+
+
+class MessageToolCall(ResponseBody):
+    id: str
+    type: Literal["function"]
+    function: MessageFunctionCall
+
+
 class AssistantMessage(ResponseBody):
     role: Literal["assistant"]
     content: str | None  # None when the message is tool calls (or reasoning) alone
     reasoning_content: str | None = None  # with a reasoning parser (vLLM)
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ChatChoice(ResponseBody):
@@ -205,8 +214,8 @@ class FunctionCallDelta(ResponseBody):
 
 class ToolCallDelta(ResponseBody):
     """A tool call in a stream, or a piece of one: its first delta has the id, the type and the
-    function's name (a parsed call's has arguments "", its next delta the arguments); one made
-    by tool_choice "required" or a named function comes whole, in its choice's last delta."""
+    function's name (a parsed call's has arguments "", its next deltas the arguments' next text);
+    one made by tool_choice "required" or a named function comes whole, in its choice's last delta."""
 
     index: int  # of the call in its choice
     id: str | None = None

@@ -17,8 +17,10 @@ from zipage_jax.server.serving import OpenAIServing
 def health(serving: OpenAIServing) -> JSONResponse:
     """{"status": "ok"} once the engine serves, else the 503 that says why."""
     try:
-        if not serving.ready_engine().healthy:  # a failed engine is refused above
-            raise OpenAIError(503, "the engine is rebuilding its device state after a failed step")
+        engine = serving.ready_engine()
+        if not engine.healthy:  # a failed engine is refused above
+            raise OpenAIError(503, getattr(engine, "unhealthy_reason",
+                                           "the engine is rebuilding its device state after a failed step"))
     except OpenAIError as exc:
         return exc.response()
     return JSONResponse(Health(status="ok").body())

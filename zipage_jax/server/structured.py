@@ -24,8 +24,9 @@ import llguidance
 
 from zipage_jax.sampling_params import StructuredOutputsParams
 from zipage_jax.server.errors import OpenAIError
-from zipage_jax.server.protocol import FunctionCall, ResponseFormat, StructuredOutputs, Tool, ToolCall, ToolChoice
+from zipage_jax.server.protocol import ResponseFormat, StructuredOutputs, Tool, ToolChoice
 from zipage_jax.server.reasoning_parsers import ReasoningParser
+from zipage_jax.server.responses import MessageFunctionCall, MessageToolCall
 from zipage_jax.server.tool_parsers import ToolParser
 
 # JSON inside a Lark grammar laid out as the engine lays out a JSON schema's output (json.dumps')
@@ -163,7 +164,7 @@ def _parameters(tool: Tool) -> dict:
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def tool_calls(text: str, tool_choice: ToolChoice) -> list[ToolCall] | None:
+def tool_calls(text: str, tool_choice: ToolChoice) -> list[MessageToolCall] | None:
     """OpenAI's tool_calls for a completion the tool grammar produced (None if it is not JSON:
     the output was cut short by max_tokens)."""
     try:
@@ -177,9 +178,10 @@ def tool_calls(text: str, tool_choice: ToolChoice) -> list[ToolCall] | None:
     return [tool_call(name, json.dumps(arguments, ensure_ascii=False)) for name, arguments in calls]
 
 
-def tool_call(name: str, arguments: str) -> ToolCall:
+def tool_call(name: str, arguments: str) -> MessageToolCall:
     """OpenAI's tool call of function `name` with `arguments` (JSON text), under a new id."""
-    return ToolCall(id=new_tool_call_id(), type="function", function=FunctionCall(name=name, arguments=arguments))
+    return MessageToolCall(id=new_tool_call_id(), type="function",
+                           function=MessageFunctionCall(name=name, arguments=arguments))
 
 
 def new_tool_call_id() -> str:

@@ -4,14 +4,22 @@ module with a ToolParser subclass, listed here."""
 
 from __future__ import annotations
 
-from zipage_jax.server.tool_parsers.base import ParsedToolCall, ToolCallStream, ToolDelta, ToolParser
+from zipage_jax.server.tool_parsers.base import (
+    ParsedToolCall,
+    ToolCallPiece,
+    ToolCallStream,
+    ToolDelta,
+    ToolParser,
+    whole_calls,
+)
 from zipage_jax.server.tool_parsers.hermes import HermesToolParser
 from zipage_jax.server.tool_parsers.llama3_json import Llama3JsonToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesToolParser,
                                                                                 Llama3JsonToolParser)}
 
-__all__ = ["TOOL_PARSERS", "ParsedToolCall", "ToolCallStream", "ToolDelta", "ToolParser", "get_tool_parser"]
+__all__ = ["TOOL_PARSERS", "ParsedToolCall", "ToolCallPiece", "ToolCallStream", "ToolDelta", "ToolParser",
+           "get_tool_parser", "whole_calls"]
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:

@@ -4,16 +4,19 @@
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-after optional text, one block per call. Content is the text outside the blocks, whitespace
-right after a block dropped; a last block left open at the end of the output is a call if its
-JSON is complete."""
+after optional text, one block per call. A block ends at the first </tool_call> in it, or at the
+end of the output. Its call (call_object.py) is sent as it is written: its name once known, then
+its arguments; the text after the call's object in its block is dropped. A block in which no
+call becomes known is content, tags included. Content is the text outside the blocks, whitespace
+right after a call's block dropped."""
 
 from __future__ import annotations
 
 import json
 
 from zipage_jax.server.partial_markers import held_prefix
-from zipage_jax.server.tool_parsers.base import ToolCallStream, ToolParser, parse_call
+from zipage_jax.server.tool_parsers.base import ToolCallStream, ToolParser
+from zipage_jax.server.tool_parsers.call_object import CallObject
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -21,20 +24,27 @@ START, END = "<tool_call>", "</tool_call>"
 class HermesStream(ToolCallStream):
     def __init__(self) -> None:
         super().__init__()
-        self._held = ""  # outside a call: a possible start of START
+        self._held = ""  # a possible start of START (outside a block) or of END (inside one)
         self._after_call = False  # blanks here follow a call and are dropped
-        self._body: list[str] | None = None  # inside a call: its body so far, in pieces
-        self._tail = ""  # the body's last len(END) - 1 characters, where END may have begun
+        self._call: CallObject | None = None  # inside a block: its call
+        self._body: list[str] = []  # inside a block: its text, in pieces
 
     def _consume(self, text: str, final: bool) -> None:
         while True:
-            if self._body is not None:
-                rest = self._read_call(text, final)
-                if rest is None:
-                    return
-                text = rest
-                continue
             text, self._held = self._held + text, ""
+            if self._call is not None:
+                at = text.find(END)
+                if at >= 0:
+                    self._read_body(text[:at])
+                    self._end_block(END)
+                    text = text[at + len(END):]
+                    continue
+                keep = held_prefix(text, END)  # not the call's text, even at the end
+                self._read_body(text[:len(text) - keep])
+                self._held = text[len(text) - keep:]
+                if final:
+                    self._end_block(self._held)
+                return
             if self._after_call:
                 text = text.lstrip()
                 if not text:
@@ -43,39 +53,27 @@ class HermesStream(ToolCallStream):
             at = text.find(START)
             if at >= 0:
                 self._content(text[:at])
-                self._body, self._tail, text = [], "", text[at + len(START):]
+                self._call, text = CallObject(), text[at + len(START):]
                 continue
             keep = 0 if final else held_prefix(text, START)
             self._content(text[:len(text) - keep])
             self._held = text[len(text) - keep:]
             return
 
-    def _read_call(self, text: str, final: bool) -> str | None:
-        """Adds `text` to the open call's body; once END closes it, the call (or its text, if
-        it is no call) is reported and the text after END returned; None while it is open."""
-        window = self._tail + text
-        at = window.find(END)
-        if at < 0:
-            self._body.append(text)
-            self._tail = window[-(len(END) - 1):]
-            if final:  # a last block left open: a call if its JSON is complete
-                body = "".join(self._body)
-                self._close_call(body[:len(body) - held_prefix(body, END)], body, closed=False)
-            return None
-        cut = at - len(self._tail)  # where END starts in `text` (< 0: in the body before it)
-        body = "".join(self._body)
-        body = body + text[:cut] if cut >= 0 else body[:len(body) + cut]
-        self._close_call(body, body, closed=True)
-        return text[cut + len(END):]
+    def _read_body(self, text: str) -> None:
+        self._body.append(text)
+        self._call.feed(text)
+        self._report(self._call)
 
-    def _close_call(self, body: str, raw: str, closed: bool) -> None:
-        call = parse_call(body)
-        if call is None:  # not a call: the block is text, as the model wrote it
-            self._content(START + raw + (END if closed else ""))
+    def _end_block(self, end: str) -> None:
+        """The block has ended with `end` (END, or the held text at the end of the output)."""
+        call = self._call
+        self._end_call(call)
+        if call.name is None:  # no call: the block is text, as the model wrote it
+            self._content(START + "".join(self._body) + end)
         else:
-            self._call(call)
             self._after_call = True
-        self._body = None
+        self._call, self._body, self._held = None, [], ""
 
 
 class HermesToolParser(ToolParser):

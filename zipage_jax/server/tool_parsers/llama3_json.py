@@ -1,45 +1,19 @@
 """llama3_json: Llama 3.1 / 3.2 JSON tool calls. The whole output is the calls: optional
 whitespace and <|python_tag|>, then {"name": ..., "parameters": {...}} ("arguments" also read),
-several separated by ";". An output that does not start so is content, as written. Calls are
-read while they come; text after them (or from a malformed one on) is content."""
+several separated by ";". An output that does not start so is content, as written. Each call
+(call_object.py) is sent as it is written: its name once known, then its arguments; its object
+ends at the bracket that matches its "{". Text after the calls, or from an object in which no
+call becomes known on, is content."""
 
 from __future__ import annotations
 
 import json
 
-from zipage_jax.server.tool_parsers.base import ToolCallStream, ToolParser, parse_call
+from zipage_jax.server.tool_parsers.base import ToolCallStream, ToolParser
+from zipage_jax.server.tool_parsers.call_object import CallObject
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = ";"
-
-
-class ObjectEnd:
-    """Finds where a JSON object ends, fed its text from its "{" on in pieces (strings and
-    escapes followed, so braces inside strings do not count)."""
-
-    def __init__(self) -> None:
-        self._depth = 0
-        self._in_string = self._escaped = False
-
-    def feed(self, text: str) -> int | None:
-        """The index in `text` just past the object's closing brace, or None if it is not there."""
-        for i, ch in enumerate(text):
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch == "{":
-                self._depth += 1
-            elif ch == "}":
-                self._depth -= 1
-                if self._depth == 0:
-                    return i + 1
-        return None
 
 
 class Llama3JsonStream(ToolCallStream):
@@ -49,8 +23,7 @@ class Llama3JsonStream(ToolCallStream):
         super().__init__()
         self._state = "start"
         self._held = ""  # text that waits for what follows it ("start", "separator", "next")
-        self._object: list[str] = []  # the current call's JSON so far, in pieces
-        self._end = ObjectEnd()
+        self._call: CallObject | None = None  # in "object": the current call
 
     def _consume(self, text: str, final: bool) -> None:
         while True:
@@ -60,20 +33,17 @@ class Llama3JsonStream(ToolCallStream):
                 self._held = ""
                 return
             if state == "object":
-                end = self._end.feed(text)
-                if end is None:
-                    self._object.append(text)
-                    if not final:
-                        return
-                    self._state, text = "content", "".join(self._object)  # cut short: text
-                    continue
-                raw, text = "".join(self._object) + text[:end], text[end:]
-                call = parse_call(raw)
-                if call is None:
-                    self._state, text = "content", raw + text
-                    continue
-                self._call(call)
-                self._state = "separator"
+                call = self._call
+                end = call.feed(text)
+                if end is None and not final:
+                    self._report(call)
+                    return
+                self._end_call(call)
+                text = "" if end is None else text[end:]
+                if call.name is None:  # no call: the text from its "{" on is content
+                    self._state, text = "content", call.text + text
+                else:
+                    self._state = "separator"
                 continue
             text, self._held = self._held + text, ""
             rest = text.lstrip()
@@ -104,7 +74,7 @@ class Llama3JsonStream(ToolCallStream):
                 self._state, text = "content", rest
 
     def _start_object(self) -> None:
-        self._state, self._object, self._end = "object", [], ObjectEnd()
+        self._state, self._call = "object", CallObject()
 
 
 class Llama3JsonToolParser(ToolParser):
