@@ -148,6 +148,7 @@ def test_with_no_replica_serving_health_is_503_and_requests_fail_after_the_timeo
     for pid in dp_server.engine.replica_pids():
         os.kill(pid, signal.SIGKILL)
     wait_for(lambda: dp_server.http.get("/health").status_code == 503, 30, "/health did not notice")
+    assert "no replica serves" in dp_server.http.get("/health").json()["error"]["message"]
     start = time.monotonic()
     r = dp_server.http.post(COMPLETIONS, json=dict(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0))
     assert r.status_code == 500 and "the server failed to process the request" in r.json()["error"]["message"]

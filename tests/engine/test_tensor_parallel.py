@@ -313,14 +313,15 @@ def _generated(stdout: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(model_6_2, cache_dir):
+def test_two_processes_match_one(model_6_2, cache_dir, tmp_path):
     cli = ["-m", "zipage_jax", "generate", "Hello there", "The capital of", "--model", str(model_6_2),
            "--max-tokens", "16", "--json", *SMALL_ENGINE]
-    single = _run(cli, cache_dir, timeout=300)  # also fills the parameter cache both processes read
+    single = _run(cli, cache_dir, timeout=300)
     assert single.returncode == 0, single.stderr[-4000:]
     address = f"127.0.0.1:{_free_port()}"
+    empty_cache = tmp_path / "cache"  # a group converts the weights itself and caches nothing
     procs = [subprocess.Popen([sys.executable, *cli, "--tensor-parallel-size", "2", "--coordinator-address",
-                               address, "--num-processes", "2", "--process-id", str(i)], env=_env(cache_dir),
+                               address, "--num-processes", "2", "--process-id", str(i)], env=_env(empty_cache),
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
         outs = [p.communicate(timeout=300) for p in procs]
@@ -332,3 +333,4 @@ def test_two_processes_match_one(model_6_2, cache_dir):
     expected = _generated(single.stdout)
     assert len(expected) == 2
     assert [_generated(out) for out, _ in outs] == [expected, expected]
+    assert not list(empty_cache.rglob("hf_config.json"))

@@ -178,6 +178,11 @@ class ReplicatedEngine:
         return any(r.state is ReplicaState.SERVING for r in self._replicas)
 
     @property
+    def unhealthy_reason(self) -> str:
+        """What /health says while no replica serves."""
+        return "no replica serves: every replica is starting, warming up or restarting"
+
+    @property
     def warmup_status(self) -> WarmupStatus | None:
         """The replicas' warm-ups together (None before start_warmup): the serving set is ready
         once some replica serves; done once every live replica's grid is built."""
