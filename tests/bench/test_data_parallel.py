@@ -3,21 +3,26 @@ routing against round robin, a replica killed mid-workload, outputs against one 
 
 from __future__ import annotations
 
-import pytest
+import json
+import os
+import subprocess
+import sys
 
-from zipage_jax.bench import data_parallel
+import pytest
 
 pytestmark = pytest.mark.slow  # three pairs of replicas on Ray: about a minute
 
 
-@pytest.mark.filterwarnings(r"ignore:os\.fork\(\) was called:RuntimeWarning")  # Ray forks and execs at once
-def test_quick_run_meets_the_routing_fault_and_equality_goals(bench_args, last_json, tiny_model_factory,
-                                                              model_cache_dir, monkeypatch):
+def test_quick_run_meets_the_routing_fault_and_equality_goals(tiny_model_factory, model_cache_dir, tmp_path):
+    """In a process of its own: Ray's threads write to the standard streams pytest swaps per test."""
     pytest.importorskip("ray")
-    monkeypatch.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
-    args = bench_args("data-parallel", "--quick", "--model", str(tiny_model_factory("qwen3")), "--json")
-    assert data_parallel.run(args) == 0
-    result = last_json()
+    out = tmp_path / "result.json"
+    env = {**os.environ, "ZIPAGE_JAX_CACHE": str(model_cache_dir), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "zipage_jax", "bench", "data-parallel", "--quick", "--model",
+                           str(tiny_model_factory("qwen3")), "--json", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text().splitlines()[-1])
     assert result["errors"] == []
     ca, rr, fault = result["cache_aware"], result["round_robin"], result["fault"]
     # 2 prefixes x 4 requests of 4 blocks each: cache_aware computes each prefix once, round robin on both replicas
