@@ -45,8 +45,20 @@ class ServerProbe:
                                              for i in range(self.streams)))
             streams_done_s = time.time() - t0
             grid = await poller
+            # the counters come from the engine thread's last stats snapshot, which may lag the grid's gauges
+            grid["metrics"] = await self.final_metrics(client, url, grid["metrics"])
         summary = stream_summary(streams)
         return {"ok": True, "health_s": health_s, **summary, "streams_done_at_s": streams_done_s, **grid}
+
+    async def final_metrics(self, client, url: str, fallback: dict) -> dict:
+        """/metrics once the streams are done (the engine thread has refreshed its stats since)."""
+        import httpx
+
+        try:
+            resp = await client.get(f"{url}/metrics", timeout=10.0)
+        except httpx.HTTPError:
+            return fallback
+        return server_metric_snapshot(parse_metrics(resp.text)) if resp.status_code == 200 else fallback
 
     async def poll_grid(self, client, url: str, t0: float, deadline: float, give_up_s: float = 5.0) -> dict:
         """Scrapes /metrics until the grid is built, the metrics say there is no grid (for `give_up_s`), or the
