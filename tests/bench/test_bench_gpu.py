@@ -12,7 +12,7 @@ import pytest
 
 from zipage_jax.bench import gpu
 from zipage_jax.bench.compact_cases import PATTERNS
-from zipage_jax.bench.random_model import QWEN3_8B, TINY_QWEN3, random_model
+from zipage_jax.models.random_model import QWEN3_8B, TINY_QWEN3, random_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

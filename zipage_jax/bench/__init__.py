@@ -3,6 +3,8 @@ and measures through the public engine API; common.py holds what they share."""
 
 SUBCOMMANDS = {
     "throughput": "requests per second and tokens per second: full KV against compressed, side by side",
+    "host": "host time per engine step at batches up to 1,024, against the bare model step; the server's streams "
+            "against offline generation",
     "engine": "decode step time and tokens per second of one engine, against transformers",
     "long": "long generations: step time and throughput per window of positions, compressed against full KV",
     "startup": "seconds from import to the first token, cold and warm, with and without warm-up",

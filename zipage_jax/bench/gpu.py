@@ -48,9 +48,9 @@ import warnings
 
 from zipage_jax.bench.common import log, median_seconds, run_record
 from zipage_jax.bench.compact_cases import PATTERNS, compaction_case, num_pool_blocks
-from zipage_jax.bench.random_model import QWEN3_8B, TINY_QWEN3, random_model
 from zipage_jax.bench.throughput import run_benchmark
 from zipage_jax.bench.workload import Workload
+from zipage_jax.models.random_model import QWEN3_8B, TINY_QWEN3, random_model
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
 

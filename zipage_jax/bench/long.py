@@ -73,7 +73,7 @@ the start, "run_start" (the run record at the start: the commit measured) and "r
 same at the end: commit, date, load average at the end).
 
 Models: a name or path `load_model` knows ("default": SmolLM2-135M), or a random-initialised
-Qwen3-shaped model with a byte tokenizer (zipage_jax/bench/random_model.py; nothing is
+Qwen3-shaped model with a byte tokenizer (zipage_jax/models/random_model.py; nothing is
 downloaded): "random-qwen3" (RANDOM_MODELS: 4 layers, 8 query / 2 KV
 heads, head dim 64, hidden 512, MLP 1024, vocabulary 256), small enough that attention over a
 long context dominates its step on a CPU (full KV, 8 rows, 2 shared cores: 4-8 ms a step at 256
@@ -104,7 +104,6 @@ import time
 from dataclasses import asdict, dataclass
 
 from zipage_jax.bench.common import add_output_arguments, emit, log, run_record, usage_error
-from zipage_jax.bench.random_model import QWEN3_8B, TINY_QWEN3, random_model
 from zipage_jax.bench.stepping import EngineRun, drive, warm_up
 from zipage_jax.bench.workload import (
     Workload,
@@ -114,17 +113,10 @@ from zipage_jax.bench.workload import (
     size_pools,
     workload_overrides,
 )
+from zipage_jax.models.random_model import RANDOM_MODELS
 
 FLAT_TOLERANCE = 0.10  # the compressed run's last window within 10% of its first full window
 HOST_SHARE_GOAL = 0.10
-
-# random-initialised models (random_model.py, ModelConfig fields): Qwen3's
-# architecture (GQA, q/k norms) at sizes where attention over a long context dominates a CPU step
-RANDOM_MODELS = {
-    "random-qwen3": {**QWEN3_8B, "vocab_size": 256, "hidden_size": 512, "intermediate_size": 1024,
-                     "num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64},
-    "random-qwen3-tiny": {**TINY_QWEN3, "vocab_size": 256},
-}
 
 
 @dataclass(frozen=True)
@@ -427,12 +419,7 @@ def resummarize(summary: dict) -> dict:
 
 
 def load(model: str, dtype: str | None):
-    """The model: a RANDOM_MODELS name (built here, byte tokenizer) or what load_model loads."""
-    if model in RANDOM_MODELS:
-        import jax
-
-        dtype = dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")  # the engine's default
-        return random_model(RANDOM_MODELS[model], dtype)
+    """The model: what load_model loads (a RANDOM_MODELS name: random weights, byte tokenizer)."""
     from zipage_jax.models.loading import load_model
 
     return load_model(model, dtype=dtype)

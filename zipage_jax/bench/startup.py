@@ -61,11 +61,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from zipage_jax.bench import random_model
 from zipage_jax.bench.common import add_output_arguments, emit, git_commit, log, usage_error
 from zipage_jax.bench.startup_goals import evaluate_goals
 from zipage_jax.bench.startup_metrics import median_fields
 from zipage_jax.bench.startup_server import ServerProbe
+from zipage_jax.models import random_model
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().with_name("startup_worker.py")

@@ -6,6 +6,7 @@ tokenizer, cached.
     loaded = load_model("/models/Qwen3-0.6B")   # config.json + (sharded) safetensors
     loaded = load_model("Qwen/Qwen3-0.6B", revision="main")  # the Hub's, through huggingface_hub's cache
     loaded = load_model("/models/x.Q4_K_M.gguf", dtype="bfloat16")
+    loaded = load_model("random-qwen3-tiny")    # random weights, byte tokenizer (benchmarks only)
 
 A Hugging Face model id is fetched into `download_dir` (default: huggingface_hub's cache) by
 models/hub.py. Converted parameters are cached with orbax under `cache_dir` (default
@@ -36,6 +37,7 @@ from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.decoder import Decoder
 from zipage_jax.models.gguf_tokenizer import gguf_tokenizer
 from zipage_jax.models.param_cache import ParamCache, fingerprint
+from zipage_jax.models.random_model import RANDOM_MODELS, random_model
 from zipage_jax.models.registry import MODELS, model_path
 from zipage_jax.models.weights import decoder_from_flat, decoder_from_hf, flat_params, param_shapes
 
@@ -62,6 +64,8 @@ def load_model(model: str = "default", dtype: str | None = None, cache_dir: str 
     # avoids transformers' config machinery, which imports torch (seconds).
     from transformers import PreTrainedTokenizerFast
 
+    if model in RANDOM_MODELS and revision is None:  # built here: nothing to read or cache
+        return random_model(RANDOM_MODELS[model], resolve_dtype(dtype))
     start = time.perf_counter()
     source = resolve_source(model, cache_dir, revision=revision, download_dir=download_dir)
     dtype = resolve_dtype(dtype)
@@ -128,7 +132,7 @@ def resolve_source(model: str, cache_dir: str | Path | None = None, *, revision:
         return path
     if "/" in model or model.endswith(".gguf") or model.startswith(("~", ".")):
         raise FileNotFoundError(f"model path {model!r} does not exist")
-    names = ", ".join(repr(name) for name in ["default", *MODELS])
+    names = ", ".join(repr(name) for name in ["default", *MODELS, *RANDOM_MODELS])
     raise ValueError(f"unknown model name {model!r}: use {names}, a model directory, a .gguf file "
                      "or a Hugging Face model id (org/name)")
 

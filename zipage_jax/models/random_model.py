@@ -1,5 +1,7 @@
 """Random-initialised models with a byte tokenizer: a model's speed at a real shape without its
-weights or a download (`bench gpu`'s Qwen3-8B, `bench long`'s attention-bound model)."""
+weights or a download (`bench gpu`'s Qwen3-8B, `bench long`'s attention-bound model, `bench
+host`'s tiny model). The names in RANDOM_MODELS load like any model (`load_model`, `--model`):
+their tokens mean nothing, so they serve benchmarks and plumbing tests only."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ class ByteTokenizer:
 
     eos_token_id = None
 
-    def __call__(self, text: str) -> dict:
+    def __call__(self, text: str, **_options) -> dict:
         return {"input_ids": list(text.encode())}
 
     def __len__(self) -> int:  # the engine accepts token ids below min(model vocabulary, tokenizer's)
@@ -32,6 +34,16 @@ class ByteTokenizer:
 
     def convert_tokens_to_string(self, tokens) -> str:
         return "".join(tokens)
+
+
+# random-initialised models by name (ModelConfig fields): Qwen3's architecture (GQA, q/k norms)
+# at sizes where attention over a long context dominates a CPU step, and a tiny one whose device
+# time is negligible (the host's share of a step shows)
+RANDOM_MODELS = {
+    "random-qwen3": {**QWEN3_8B, "vocab_size": 256, "hidden_size": 512, "intermediate_size": 1024,
+                     "num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64},
+    "random-qwen3-tiny": {**TINY_QWEN3, "vocab_size": 256},
+}
 
 
 def random_model(shape: dict, dtype: str, num_layers: int | None = None):
