@@ -29,7 +29,7 @@ class LLM:
         """One dict per prompt, in order: text, token_ids, finish_reason, metrics, outputs (all n)."""
         prompts, params = self._normalise(prompts, sampling_params)
         finals: dict[str, RequestOutput] = {}
-        ids = self._add(prompts, params)
+        ids = self._add(prompts, params, stream=False)
         bar = tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while self.engine.has_unfinished_requests():
@@ -52,7 +52,7 @@ class LLM:
                | None = None) -> Iterator[RequestOutput]:
         """Yields a RequestOutput (with delta_text / delta_token_ids) whenever a request advances."""
         prompts, params = self._normalise(prompts, sampling_params)
-        ids = self._add(prompts, params)
+        ids = self._add(prompts, params, stream=True)
         try:
             while self.engine.has_unfinished_requests():
                 yield from self.engine.step()
@@ -72,9 +72,9 @@ class LLM:
                             ) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages, chat_template_kwargs=chat_template_kwargs)
 
-    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams], stream: bool) -> list[str]:
         """Queues every prompt, or none when one is refused (ValueError)."""
-        return self.engine.add_requests([(prompt, p, None) for prompt, p in zip(prompts, params)])
+        return self.engine.add_requests([(prompt, p, None) for prompt, p in zip(prompts, params)], stream)
 
     @staticmethod
     def _normalise(prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:

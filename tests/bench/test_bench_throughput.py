@@ -173,7 +173,8 @@ def test_pools_of_one_size_in_bytes_for_every_kv_dtype(llama_dir):
     for pool in pools.values():  # what the engine itself allocates
         config = engine_config(llama_dir, workload, True, {}, pool)
         engine = LLMEngine(config, loaded=loaded)
-        assert engine.pool.block_bytes == pool.block_bytes and engine.block_manager.num_usable_blocks == pool.blocks - 1
+        core = engine.core
+        assert core.pool.block_bytes == pool.block_bytes and core.block_manager.num_usable_blocks == pool.blocks - 1
     by_gb = size_pools(Workload(**{**vars(workload), "pool_gb": 2**-10}), loaded, ["auto", "int8"])
     assert by_gb["auto"].blocks == 2**20 // f32 + 1 and by_gb["int8"].blocks == 2**20 // int8 + 1
 

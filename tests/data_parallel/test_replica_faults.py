@@ -15,7 +15,8 @@ import time
 
 import httpx
 import pytest
-from server_harness import COMPLETIONS, MODEL, running_server, sse_events, wait_for
+from replicated_harness import replicated_server
+from server_harness import COMPLETIONS, MODEL, sse_events, wait_for
 from test_replicated_serving import labelled
 
 pytestmark = pytest.mark.slow  # Ray, two replicas and a restart: about a minute
@@ -28,17 +29,10 @@ NO_REPLICA_TIMEOUT_S = 1.0  # shorter than any restart: a process alone takes lo
 
 @pytest.fixture(scope="module")
 def dp_server(ray_instance, tiny_model_factory, model_cache_dir):
-    from zipage_jax.data_parallel.replicated_engine import ReplicatedEngine
-
-    def replicated(**options):  # the tiny model's whole context: long enough for the kill to land mid-request
-        return ReplicatedEngine(data_parallel_size=2, no_replica_timeout_s=NO_REPLICA_TIMEOUT_S,
-                                **{**options, "max_model_len": 512})
-
-    with running_server(tiny_model_factory, model_cache_dir, engine_class=replicated) as srv:
-        try:
-            yield srv
-        finally:
-            srv.engine.shutdown()
+    # the tiny model's whole context: long enough for the kill to land mid-request
+    with replicated_server(tiny_model_factory, model_cache_dir, data_parallel_size=2,
+                           no_replica_timeout_s=NO_REPLICA_TIMEOUT_S, max_model_len=512) as srv:
+        yield srv
 
 
 class Client(threading.Thread):

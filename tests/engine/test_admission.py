@@ -21,7 +21,7 @@ def _admission(num_blocks: int = 64, **options) -> Admission:
     config = EngineConfig.from_options(kvcache_block_size=BS, query_cache_len=QL, compilation_cache_dir="",
                                        **options)
     pool = KVPoolPlan(BS, np.dtype(np.float32), 2, 1024, num_blocks, 4, 4096, (num_blocks - 1) * BS)
-    return Admission(config, pool, TOKENIZER, VOCAB, (TOKENIZER.eos_token_id,), frozenset())
+    return Admission(config, pool, TOKENIZER, VOCAB, (TOKENIZER.eos_token_id,))
 
 
 def test_engine_policy_options_and_budget_reach_the_sequences():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from budgets import zipage_budget
 from fake_device import FakeDevice, check_block_manager
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from zipage_jax.engine import block_manager as bm_module
-from zipage_jax.engine.block_manager import DUMMY_BLOCK, BlockManager
+from zipage_jax.engine.block_manager import DUMMY_BLOCK, BlockManager, chain_hash
 from zipage_jax.engine.sequence import Sequence
 
 BS = 4
@@ -18,6 +19,13 @@ BS = 4
 
 def make_seq(tokens, budget=None) -> Sequence:
     return Sequence(list(tokens), BS, budget=zipage_budget(budget, BS))
+
+
+def extend(seq: Sequence, tokens) -> None:
+    """New tokens reach a standalone sequence as the engine's do: sampled (pending), then known."""
+    for token in tokens:
+        seq.append_pending()
+        seq.resolve(token)
 
 
 def compute(bm: BlockManager, seq: Sequence, n: int, device: FakeDevice | None = None) -> None:
@@ -108,12 +116,57 @@ def test_hashes_are_chained():
     assert bm.match_prefix(same_first) == BS
 
 
+class _Colliding:
+    """xxhash whose every digest is 42: every block's chained hash collides."""
+
+    class xxh64:
+        def update(self, data: bytes) -> None:
+            pass
+
+        def intdigest(self) -> int:
+            return 42
+
+    @staticmethod
+    def xxh64_intdigest(data: bytes) -> int:
+        return 42
+
+
 def test_a_hit_is_verified_against_the_stored_tokens(monkeypatch):
-    monkeypatch.setattr(bm_module, "chain_hash", lambda tokens, prefix: 42)  # everything collides
+    monkeypatch.setattr(bm_module, "xxhash", _Colliding)  # everything collides
     bm = BlockManager(16, BS)
     admit(bm, make_seq([1, 2, 3, 4, 5]))
     assert bm.match_prefix(make_seq([9, 9, 9, 9, 5])) == 0
     assert bm.match_prefix(make_seq([1, 2, 3, 4, 7])) == BS
+
+
+def test_the_batched_hashes_are_the_chained_hash_of_each_block():
+    # hash_blocks (a sequence's blocks in a run) and hash_next_blocks (one block per row, by array)
+    # register what match_prefix looks up: chain_hash over each block, chained on the one before
+    tokens = [[7, 1, 3, 9, 2, 2, 0, 5, 4, 4, 4, 1], [5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 1, 1]]
+    expected = []
+    for row in tokens:
+        h, chain = None, []
+        for i in range(0, len(row), BS):
+            h = chain_hash(row[i:i + BS], h)
+            chain.append(h)
+        expected.append(chain)
+    bm = BlockManager(16, BS)
+    seqs = [make_seq(row) for row in tokens]
+    for seq in seqs:
+        seq.block_table = bm.take_free_blocks(3)
+    tables = np.array([seq.block_table for seq in seqs], np.int32)
+    bm.hash_blocks(tables[0], tokens[0][:2 * BS], 0, 2)  # blocks 0 and 1 of the first row
+    bm.hash_blocks(tables[1], tokens[1][:BS], 0, 1)  # block 0 of the second
+    assert [bm.blocks[b].hash for b in tables[0, :2]] == expected[0][:2]
+    bm.hash_next_blocks(tables, np.array([2, 1]), np.array([tokens[0][2 * BS:], tokens[1][BS:2 * BS]], np.int64))
+    assert [bm.blocks[b].hash for b in tables[0]] == expected[0]
+    assert [bm.blocks[b].hash for b in tables[1, :2]] == expected[1][:2]
+    assert bm.blocks[tables[1, 1]].token_ids == tuple(tokens[1][BS:2 * BS])
+    assert bm.hash_to_block_id[expected[1][1]] == tables[1, 1]
+    for seq in seqs:
+        bm.free(seq)
+    assert bm.match_prefix(make_seq(tokens[0] + [3])) == 3 * BS
+    assert bm.match_prefix(make_seq(tokens[1][:2 * BS] + [3])) == 2 * BS
 
 
 def test_freed_blocks_stay_cached_until_reused():
@@ -158,7 +211,7 @@ def test_compression_in_place_releases_blocks_beyond_the_budget():
     device.check_view(seq)
     check_block_manager(bm, [seq], device)
     # compressed blocks never enter the prefix cache
-    seq.token_ids += [1] * BS
+    extend(seq, [1] * BS)
     compute(bm, seq, BS, device)
     assert all(bm.blocks[b].hash is None for b in seq.block_table)
     assert bm.match_prefix(make_seq(range(100, 100 + 5 * BS))) == 0
@@ -209,12 +262,12 @@ def test_a_compressed_sequence_compacts_in_place():
     seq = make_seq(range(3 * BS), budget=2)
     admit(bm, seq, device)
     for _ in range(3):
-        seq.token_ids.append(len(seq))
+        extend(seq, [len(seq)])
         compress_seq(bm, seq, device)
         assert len(seq.block_table) == 3 and bm.num_free_blocks == 7 - 3
         compute(bm, seq, 1, device)  # the new token lands in slot 0 of block M
         assert seq.num_kv_slots == 2 * BS + 1
-        seq.token_ids += list(range(BS - 1))
+        extend(seq, range(BS - 1))
         compute(bm, seq, BS - 1, device)
         device.check_view(seq)
     check_block_manager(bm, [seq], device)
@@ -258,7 +311,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if seq.budget_blocks is not None and len(seq.block_table) >= seq.budget_blocks + 1:
             n = min(n, len(seq.block_table) * BS - seq.num_kv_slots)  # at its budget: fill, then compress
         if n and self.bm.blocks_needed(seq, n) <= self.bm.num_free_blocks:
-            seq.token_ids += [token] * n
+            extend(seq, [token] * n)
             compute(self.bm, seq, n, self.device)
 
     @precondition(lambda self: self._compressible())

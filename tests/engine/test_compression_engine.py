@@ -38,7 +38,7 @@ def test_long_generation_stays_within_budget(llm):
     # slots fill to (M+1)*BS; each further block's worth of tokens first compacts back to M*BS
     assert m["num_compressions"] == -(-(computed - budget - BS) // BS)
     assert m["kv_tokens_evicted"] == m["num_compressions"] * BS
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_usable_blocks
+    assert llm.engine.core.block_manager.num_free_blocks == llm.engine.core.block_manager.num_usable_blocks
 
 
 def test_budget_larger_than_generation_is_full_kv(llm):
@@ -75,8 +75,8 @@ def test_per_request_eviction_policy_matches_an_engine_with_that_policy(llm):
 def test_new_policies_compress_with_the_models_rope(llm):
     from zipage_jax.layers.rotary import inv_frequencies
 
-    mc = llm.engine.loaded.config
-    rope = llm.engine.runner.compressor.static["rope"]
+    mc = llm.engine.core.loaded.config
+    rope = llm.engine.core.runner.compressor.static["rope"]
     assert rope == tuple(float(f) for f in inv_frequencies(mc.head_dim, mc.rope_theta, mc.rope_scaling))
     assert rope != tuple(float(f) for f in inv_frequencies(mc.head_dim, 10000.0))  # SmolLM2: theta 100,000
     budget = 4 * BS  # 75% protected as recent: 12 tokens chosen by each policy's score
@@ -133,7 +133,7 @@ def test_prefix_caching_does_not_change_compressed_output():
     assert plain_second.metrics["cached_prompt_tokens"] == 0
     assert second.metrics["num_compressions"] > 0 and first.metrics["num_compressions"] > 0
     assert first.token_ids == second.token_ids == plain_first.token_ids == plain_second.token_ids
-    bm = cached.engine.block_manager
+    bm = cached.engine.core.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks
 
 
@@ -144,7 +144,7 @@ def test_many_compressing_requests_in_a_tiny_pool(llm):
     assert all(len(o["token_ids"]) == 50 for o in outs)
     assert all(o["metrics"]["kv_blocks_peak"] <= 2 for o in outs)
     assert all(o["metrics"]["num_compressions"] >= 2 for o in outs)
-    bm = tiny.engine.block_manager
+    bm = tiny.engine.core.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks
     stats = tiny.engine.get_stats()
     assert stats.num_compressions == sum(o["metrics"]["num_compressions"] for o in outs)
@@ -171,13 +171,13 @@ def test_quantized_pool_under_compression_and_prefix_caching_is_deterministic(ll
     # greedy text diverges eventually; a run of early tokens agrees (int4 sooner: 16 levels a value)
     run = difflib.SequenceMatcher(None, runs[0][0].token_ids, floats).find_longest_match()
     assert run.size >= (10 if kv_cache_dtype == "int8" else 5) and run.a <= 2, run
-    assert quantized.engine.runner.state.kv.pools[0].k.dtype == stored
+    assert quantized.engine.core.runner.state.kv.pools[0].k.dtype == stored
 
 
 def test_kv_cache_memory_buys_blocks_by_bytes():
     gb = 0.05
-    f32 = make_llm(num_kvcache_blocks=None, kvcache_memory_gb=gb).engine
-    int8 = make_llm(num_kvcache_blocks=None, kvcache_memory_gb=gb, kv_cache_dtype="int8").engine
+    f32 = make_llm(num_kvcache_blocks=None, kvcache_memory_gb=gb).engine.core
+    int8 = make_llm(num_kvcache_blocks=None, kvcache_memory_gb=gb, kv_cache_dtype="int8").engine.core
     mc = f32.loaded.config
     per_token_f32 = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
     per_token_int8 = 2 * mc.num_layers * mc.num_kv_heads * (mc.head_dim + 4)  # int8 values + a float32 scale
@@ -192,8 +192,8 @@ def test_kv_cache_memory_buys_int4_blocks_by_bytes(tiny_model_factory):
     """int4 against bfloat16 at head_dim 64: 32 packed bytes + 2 float16 scales = 36 bytes a token
     and kv head for K (and for V) against 128, so the same bytes buy 128 / 36 times the blocks."""
     gb = 0.05
-    bf16 = make_llm(num_kvcache_blocks=None, kvcache_memory_gb=gb, dtype="bfloat16").engine
-    int4 = make_llm(num_kvcache_blocks=None, kvcache_memory_gb=gb, dtype="bfloat16", kv_cache_dtype="int4").engine
+    bf16 = make_llm(num_kvcache_blocks=None, kvcache_memory_gb=gb, dtype="bfloat16").engine.core
+    int4 = make_llm(num_kvcache_blocks=None, kvcache_memory_gb=gb, dtype="bfloat16", kv_cache_dtype="int4").engine.core
     mc = bf16.loaded.config
     assert mc.head_dim == 64
     per_token = 2 * mc.num_layers * mc.num_kv_heads  # K and V of every layer and kv head

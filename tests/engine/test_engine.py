@@ -105,7 +105,7 @@ def test_tiny_pool_preempts_and_every_request_matches(llama_dir, expected):
     got = tiny.generate(PROMPTS, params, use_tqdm=False)
     assert token_ids(got) == want
     assert tiny.engine.get_stats().num_preemptions > 0
-    assert tiny.engine.block_manager.num_free_blocks == 8
+    assert tiny.engine.core.block_manager.num_free_blocks == 8
 
 
 def test_n_siblings_share_prompt_blocks_and_differ(llama_dir):
@@ -141,6 +141,44 @@ def test_stop_token_ids_min_tokens_and_max_tokens(llm, expected):
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
                                                     stop_token_ids=[stop_at]), use_tqdm=False)[0]
     assert len(out["token_ids"]) == 12 and stop_at not in out["token_ids"]
+
+
+def test_eos_stops_past_min_tokens_unless_ignored_and_a_stop_token_s_text_is_dropped(llm):
+    # teacher-forced outputs put EOS (2, the tiny tokenizer's <|im_end|>) and a stop id where the
+    # test wants them; the engine core finishes the sequence, the output stage cuts the text
+    eos, stop_id = 2, 42
+    assert llm.engine.core.eos_token_ids == (eos,)
+    forced = [40, 41, eos, stop_id, eos, 43]
+
+    def run(**options) -> tuple[dict, str]:
+        params = SamplingParams(temperature=0, max_tokens=len(forced), forced_token_ids=forced, **options)
+        out = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+        streamed = list(llm.stream([PROMPTS[1]], params))  # the incremental path gives the same text
+        assert streamed[-1].finished and streamed[-1].outputs[0].text == out["text"]
+        assert "".join(o.outputs[0].delta_text for o in streamed) == out["text"]
+        assert [t for o in streamed for t in o.outputs[0].delta_token_ids] == out["token_ids"]
+        return out, out["outputs"][0]["stop_reason"]
+
+    def text(ids: list[int], skip: bool = True) -> str:
+        return llm.tokenizer.decode(ids, skip_special_tokens=skip)
+
+    out, reason = run()
+    assert (out["finish_reason"], reason, out["token_ids"], out["text"]) == ("stop", None, forced[:3], text([40, 41]))
+    out, reason = run(ignore_eos=True)
+    assert (out["finish_reason"], out["token_ids"]) == ("length", forced)
+    out, reason = run(ignore_eos=True, stop_token_ids=[stop_id])
+    assert (out["finish_reason"], reason, out["token_ids"]) == ("stop", stop_id, forced[:4])
+    assert out["text"] == text([40, 41, eos])
+    out, reason = run(min_tokens=3)  # the first EOS is within min_tokens, the second is not
+    assert (out["finish_reason"], reason, out["token_ids"]) == ("stop", None, forced[:5])
+    out, reason = run(min_tokens=3, stop_token_ids=[stop_id])  # nor is the stop id, the 4th token
+    assert (out["finish_reason"], reason, out["token_ids"]) == ("stop", stop_id, forced[:4])
+    out, reason = run(skip_special_tokens=False)  # EOS's text is dropped as a stop token's
+    assert out["text"] == text([40, 41], skip=False)
+    out, reason = run(skip_special_tokens=False, include_stop_str_in_output=True)
+    assert out["text"] == text(forced[:3], skip=False) and out["text"].endswith("<|im_end|>")
+    out, reason = run(ignore_eos=True, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    assert out["text"] == text(forced[:4])
 
 
 def test_stop_string_truncates_text(llm, expected):
@@ -195,14 +233,14 @@ def test_unknown_model_raises():
 
 def test_abort_frees_blocks(llm):
     engine = llm.engine
-    free = engine.block_manager.num_free_blocks
+    free = engine.core.block_manager.num_free_blocks
     rid = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.block_manager.num_free_blocks < free
+    assert engine.core.block_manager.num_free_blocks < free
     engine.abort(rid)
     assert not engine.has_unfinished_requests()
-    assert engine.block_manager.num_free_blocks == free
+    assert engine.core.block_manager.num_free_blocks == free
 
 
 def test_steady_workload_never_recompiles(llm, caplog):
@@ -245,4 +283,4 @@ def test_a_request_whose_inputs_fail_fails_alone(llm, expected, monkeypatch):
     assert failed.error is not None and "OverflowError" in failed.error
     assert failed.outputs[0].finish_reason == "error"
     assert [finals[i].outputs[0].token_ids for i in ids[:-1]] == expected
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
+    assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_usable_blocks

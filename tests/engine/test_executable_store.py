@@ -34,7 +34,7 @@ def test_the_default_directory_is_under_the_cache_per_host(monkeypatch, tmp_path
 
 def _origins(llm: LLM) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for record in llm.engine.runner.records:
+    for record in llm.engine.core.runner.records:
         counts[record.origin] = counts.get(record.origin, 0) + 1
     return counts
 
@@ -50,7 +50,7 @@ def test_a_restart_loads_every_program_and_decodes_the_same_tokens(llama_dir, tm
     assert first.engine.get_stats().num_compressions > 0  # the compression program is in the store too
     built = _origins(first)
     assert built.get("compiled", 0) >= 5 and "loaded" not in built
-    names = {r.name for r in first.engine.runner.records}
+    names = {r.name for r in first.engine.core.runner.records}
     assert names == {"embed", "layers", "head", "compression"}
 
     # host-only options (logging, scheduling, prefix caching) share the programs
@@ -59,7 +59,7 @@ def test_a_restart_loads_every_program_and_decodes_the_same_tokens(llama_dir, tm
     assert _run(again) == expected
     assert _origins(again) == {"loaded": built["compiled"]}
     assert all(r.trace_seconds == r.lower_seconds == r.compile_seconds == 0 and r.load_seconds > 0
-               for r in again.engine.runner.records)
+               for r in again.engine.core.runner.records)
     stats = again.engine.get_stats()
     assert stats.num_programs_loaded == stats.num_compiles == built["compiled"] and stats.compile_seconds > 0
 
@@ -98,7 +98,7 @@ def test_no_store_when_the_cache_is_off(llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("ZIPAGE_JAX_CACHE", str(tmp_path))
     llm = LLM(str(llama_dir), compilation_cache_dir="", **OPTIONS)
     llm.generate(PROMPTS[1], PARAMS, use_tqdm=False)
-    assert llm.engine.runner.forward.embed.store is None and not (tmp_path / "executables").exists()
+    assert llm.engine.core.runner.forward.embed.store is None and not (tmp_path / "executables").exists()
 
 
 def test_host_only_options_are_engine_fields():

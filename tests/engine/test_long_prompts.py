@@ -42,11 +42,11 @@ def test_a_prompt_of_eight_budgets_peaks_at_the_budget_plus_one_chunk(llm):
     assert m["num_compressions"] >= (len(prompt) - (BUDGET_BLOCKS + 1) * BS) // CHUNK
     assert compressed["finish_reason"] == full["finish_reason"] == "length"
     assert len(compressed["token_ids"]) == 8
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_usable_blocks
+    assert llm.engine.core.block_manager.num_free_blocks == llm.engine.core.block_manager.num_usable_blocks
 
 
 def test_a_prompt_longer_than_the_pool_runs_under_a_budget_and_is_refused_with_full_kv(llm):
-    usable = llm.engine.block_manager.num_usable_blocks * BS  # 752 tokens
+    usable = llm.engine.core.block_manager.num_usable_blocks * BS  # 752 tokens
     prompt = prompt_ids(llm, usable + 100)
     out = llm.generate([prompt], greedy(4, BUDGET_BLOCKS * BS), use_tqdm=False)[0]
     assert len(out["token_ids"]) == 4 and out["metrics"]["kv_blocks_peak"] <= BUDGET_BLOCKS + CHUNK // BS
@@ -58,8 +58,8 @@ def test_a_prompt_longer_than_the_pool_runs_under_a_budget_and_is_refused_with_f
 def test_a_budgeted_generation_runs_several_times_past_the_pool():
     llm = LLM("default", kvcache_block_size=BS, num_kvcache_blocks=9, max_num_seqs=2, max_num_batched_tokens=CHUNK,
               query_cache_len=8)
-    pool_tokens = llm.engine.block_manager.num_usable_blocks * BS  # 128 tokens
-    assert llm.engine.max_model_len == llm.engine.loaded.config.max_position_embeddings  # not clamped
+    pool_tokens = llm.engine.core.block_manager.num_usable_blocks * BS  # 128 tokens
+    assert llm.engine.max_model_len == llm.engine.core.loaded.config.max_position_embeddings  # not clamped
     out = llm.generate(["Count to a thousand:"], greedy(4 * pool_tokens, 2 * BS), use_tqdm=False)[0]
     assert len(out["token_ids"]) == 4 * pool_tokens and out["finish_reason"] == "length"
     assert out["metrics"]["kv_blocks_peak"] == 3
@@ -81,4 +81,4 @@ def test_long_prompts_with_budgets_share_a_small_pool_with_full_kv_and_preemptio
     assert llm.engine.get_stats().num_preemptions > 0
     for i in (0, 2):  # preemption by recompute and sharing the pool change no token
         assert llm.generate([prompts[i]], params[i], use_tqdm=False)[0]["token_ids"] == outs[i]["token_ids"]
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_usable_blocks
+    assert llm.engine.core.block_manager.num_free_blocks == llm.engine.core.block_manager.num_usable_blocks

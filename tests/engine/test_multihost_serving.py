@@ -255,8 +255,8 @@ def test_a_replayed_runner_ends_in_process_0s_device_state(model, cache_dir):
 
     llm = LLM(str(model), **{**OPTIONS, "compilation_cache_dir": None})
     engine, relay = llm.engine, RecordingRelay()
-    engine.runner.relay = relay
-    engine.runner.reset_state()
+    engine.core.runner.relay = relay
+    engine.core.runner.reset_state()
     greedy = dict(temperature=0, ignore_eos=True)
     llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=COMPRESSED_TOKENS, kv_budget=KV_BUDGET, **greedy),
                                SamplingParams(max_tokens=12, **greedy)], use_tqdm=False)
@@ -267,14 +267,14 @@ def test_a_replayed_runner_ends_in_process_0s_device_state(model, cache_dir):
     assert {"run_forward", "run_compaction", "run_seed", "reset_state", "prefetch_decode"} <= set(methods)
     assert engine.stats.num_compressions > 0
 
-    twin = ModelRunner(engine.loaded, engine.config, engine.pool, eos_token_ids=engine.eos_token_ids)
+    twin = ModelRunner(engine.core.loaded, engine.config, engine.core.pool, eos_token_ids=engine.core.eos_token_ids)
     leader_end, follower_end = socket.socketpair()
     with leader_end, follower_end:
         sender = threading.Thread(target=lambda: leader_end.sendall(b"".join(relay.frames) + encode(("stop", ()))))
         sender.start()
         assert Follower(twin, ("unused", 0), 1).run(follower_end) == 0
         sender.join()
-    for mine, replayed in zip(jax.tree.leaves(jax.device_get(engine.runner.state)),
+    for mine, replayed in zip(jax.tree.leaves(jax.device_get(engine.core.runner.state)),
                               jax.tree.leaves(jax.device_get(twin.state)), strict=True):
         np.testing.assert_array_equal(mine, replayed)
 

@@ -54,7 +54,7 @@ def test_prompt_logprobs_equal_the_teacher_forced_path(llm, prompt, top_n):
 
 
 def test_prompt_logprobs_equal_log_softmax_of_the_models_own_forward(llm):
-    logits = model_logits(llm.engine.loaded.model, SHORT).astype(np.float64)  # [T, V], plain causal attention
+    logits = model_logits(llm.engine.core.loaded.model, SHORT).astype(np.float64)  # [T, V], plain causal attention
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     entries = llm.generate([SHORT], asking(3), use_tqdm=False)[0]["prompt_logprobs"]
@@ -71,9 +71,10 @@ def test_a_one_token_chunk_with_a_target_and_the_request_batched_with_it(llm, mo
     ordinary = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     other = LONG[5:36]  # not in the prefix cache yet: its first chunk takes 31 tokens
     chunks = []
-    dispatch = llm.engine.runner.dispatch
-    monkeypatch.setattr(llm.engine.runner, "dispatch", lambda cs: (
-        chunks.extend((c.seq.params.prompt_logprobs, c.start, c.num_tokens) for c in cs), dispatch(cs))[1])
+    dispatch = llm.engine.core.runner.dispatch
+    monkeypatch.setattr(llm.engine.core.runner, "dispatch", lambda scheduled: (
+        chunks.extend((c.seq.params.prompt_logprobs, c.start, c.num_tokens) for c in scheduled.chunks),
+        dispatch(scheduled))[1])
     both = llm.generate([other, LONG], [ordinary, asking(5)], use_tqdm=False)
     assert (None, 0, 31) in chunks and (5, 0, 1) in chunks and (5, 1, 31) in chunks
     monkeypatch.undo()
@@ -114,14 +115,14 @@ def test_prompt_logprobs_compile_no_program_once_the_shapes_are_warm(llama_dir):
     llm = LLM(str(llama_dir), **OPTIONS)
     plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     llm.generate([LONG, SHORT], plain, use_tqdm=False)  # one 32-token prefill row a step, decode rows 1 and 2
-    programs = llm.engine.runner.num_compiles
+    programs = llm.engine.core.runner.num_compiles
     logged, _ = count_compiles(lambda: llm.generate([LONG, SHORT], [asking(5), asking(0, max_tokens=3)],
                                                     use_tqdm=False))
-    assert logged == 0 and llm.engine.runner.num_compiles == programs
+    assert logged == 0 and llm.engine.core.runner.num_compiles == programs
     # positive control: three sequences decoding together are a new bucket (4 decode rows); the
     # engine's counter sees it even when this process compiled the same program for another engine
     llm.generate([SHORT, SHORT[:5], SHORT[:7]], asking(1, max_tokens=4), use_tqdm=False)
-    assert llm.engine.runner.num_compiles > programs
+    assert llm.engine.core.runner.num_compiles > programs
 
 
 def test_under_compression_the_values_before_the_first_compaction_are_the_full_kv_ones(llm):

@@ -35,7 +35,7 @@ def prompt_ids(llm: LLM, n: int) -> list[int]:
 
 def layer0_queries(llm: LLM, tokens: list[int], positions: list[int]) -> np.ndarray:
     """[T, Hq, D] the first layer's queries of `tokens` at `positions` (they depend on nothing else)."""
-    model, cfg = llm.engine.loaded.model, llm.engine.loaded.config
+    model, cfg = llm.engine.core.loaded.model, llm.engine.core.loaded.config
     layer = model.layers[0]
     h = layer.input_layernorm(model.embed_tokens(np.asarray([tokens])))
     g = cfg.num_heads // cfg.num_kv_heads
@@ -47,7 +47,7 @@ def layer0_queries(llm: LLM, tokens: list[int], positions: list[int]) -> np.ndar
 
 def test_each_compaction_in_the_prompt_scores_with_the_prompts_last_queries(llm, monkeypatch):
     prompt = prompt_ids(llm, 300)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     seen = []
     compress = runner.compress
 
@@ -93,9 +93,9 @@ def test_the_engine_default_and_a_request_choose_the_mode():
 
 def test_a_prefix_cache_hit_stops_before_the_first_compaction_and_keeps_the_tokens(llm):
     prompt = prompt_ids(llm, 300)
-    llm.engine.block_manager.reset()  # an empty prefix cache (nothing runs)
+    llm.engine.core.block_manager.reset()  # an empty prefix cache (nothing runs)
     alone = llm.generate([prompt], greedy(8), use_tqdm=False)[0]
-    llm.engine.block_manager.reset()
+    llm.engine.core.block_manager.reset()
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, kv_budget=0), use_tqdm=False)  # caches all 18
     shared = llm.generate([prompt], greedy(8), use_tqdm=False)[0]
     assert alone["metrics"]["cached_prompt_tokens"] == 0

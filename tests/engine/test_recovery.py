@@ -10,7 +10,7 @@ import pytest
 from device_failures import FailingCalls, InjectedFailure
 
 from zipage_jax import LLM, SamplingParams
-from zipage_jax.engine.llm_engine import MAX_RECOVERIES_IN_A_ROW, EngineFailed
+from zipage_jax.engine.core import MAX_RECOVERIES_IN_A_ROW, EngineFailed
 
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
                query_cache_len=4)
@@ -36,7 +36,8 @@ def expected(llm) -> list[list[int]]:
 def failing_calls(monkeypatch, llm: LLM, steps, at) -> FailingCalls:
     """FailingCalls that observe how many output tokens each request had received."""
     def delivered() -> dict[str, int]:
-        return {rid: r.seqs[0].num_known_tokens - r.seqs[0].num_prompt_tokens for rid, r in llm.engine.requests.items()}
+        return {rid: r.seqs[0].num_known_tokens - r.seqs[0].num_prompt_tokens
+                for rid, r in llm.engine.core.requests.items()}
 
     return FailingCalls(monkeypatch, steps, at, delivered)
 
@@ -61,15 +62,16 @@ def streamed(llm: LLM, prompts, params) -> list[list[int]]:
 
 def assert_no_leaks(llm: LLM) -> None:
     engine = llm.engine
-    assert not engine.has_unfinished_requests() and engine.requests == {}
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_usable_blocks
-    assert engine.scheduler.query_slots.in_use == engine.scheduler.state_slots.in_use == 0
+    assert not engine.has_unfinished_requests() and engine.core.requests == {}
+    assert engine.core.block_manager.num_free_blocks == engine.core.block_manager.num_usable_blocks
+    assert engine.core.scheduler.query_slots.in_use == engine.core.batch.num_running == 0
+    assert len(engine.core.batch.free_rows) == engine.core.batch.num_rows
 
 
 @pytest.mark.parametrize("failing_call", [1, 4])  # the prefill; a decode, with tokens delivered before it
 def test_requests_in_flight_finish_with_a_fresh_engines_tokens(llm, expected, monkeypatch, failing_call):
     recoveries = llm.engine.stats.num_recoveries
-    failure = failing_calls(monkeypatch, llm, llm.engine.runner.forward, {failing_call})
+    failure = failing_calls(monkeypatch, llm, llm.engine.core.runner.forward, {failing_call})
     assert streamed(llm, PROMPTS, GREEDY) == expected
     assert failure.donated == [True]  # the failure came after the call consumed the state
     delivered = sum(failure.observed[0].values())
@@ -79,17 +81,17 @@ def test_requests_in_flight_finish_with_a_fresh_engines_tokens(llm, expected, mo
 
 
 def test_a_failure_while_reading_a_steps_tokens(llm, expected, monkeypatch):
-    runner, calls = llm.engine.runner, []
-    fetch = runner.fetch
+    runner, calls = llm.engine.core.runner, []
+    fetch = runner._fetch
 
-    def failing_fetch(batches):
-        results = list(fetch(batches))  # the device finished the step; its tokens are lost in transit
-        calls.append(len(results))
+    def failing_fetch(step):
+        results = fetch(step)  # the device finished the step; its tokens are lost in transit
+        calls.append(len(results.rows))
         if len(calls) == 3:
             raise InjectedFailure("injected failure while reading a step's tokens")
-        return iter(results)
+        return results
 
-    monkeypatch.setattr(runner, "fetch", failing_fetch)
+    monkeypatch.setattr(runner, "_fetch", failing_fetch)
     assert streamed(llm, PROMPTS, GREEDY) == expected
     assert len(calls) > 3 and llm.engine.healthy
     assert_no_leaks(llm)
@@ -99,8 +101,8 @@ def test_a_failure_inside_compaction(llm, expected, monkeypatch):
     """The compressed request recomputes its delivered tokens under its budget, as a fresh
     request with those tokens as its prompt would (more than a prefill chunk of them: it
     compacts where such a prompt does); the full-KV one beside it is unaffected."""
-    third = 2 * llm.engine.runner.model_config.num_layers + 1  # the third compaction's first layer
-    failure = failing_calls(monkeypatch, llm, llm.engine.runner.compressor, {third})
+    third = 2 * llm.engine.core.runner.model_config.num_layers + 1  # the third compaction's first layer
+    failure = failing_calls(monkeypatch, llm, llm.engine.core.runner.compressor, {third})
     got = streamed(llm, [PROMPTS[0], PROMPTS[1]], [BUDGETED, GREEDY])
     assert failure.donated == [True]
     monkeypatch.undo()
@@ -117,31 +119,31 @@ def test_a_failure_inside_compaction(llm, expected, monkeypatch):
 
 def test_a_bad_later_prompt_queues_nothing(llm, monkeypatch):
     added = []
-    add = llm.engine.scheduler.add
-    monkeypatch.setattr(llm.engine.scheduler, "add", lambda seq: added.append(seq) or add(seq))
+    add = llm.engine.core.scheduler.add
+    monkeypatch.setattr(llm.engine.core.scheduler, "add", lambda seq: added.append(seq) or add(seq))
     bad = [PROMPTS[0], PROMPTS[1], [10**9]]
     with pytest.raises(ValueError, match=r"prompt 2: prompt token ids must be integers"):
         llm.generate(bad, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match=r"prompt 2: prompt token ids must be integers"):
         next(llm.stream(bad, GREEDY))
-    assert added == [] and llm.engine.requests == {} and not llm.engine.has_unfinished_requests()
+    assert added == [] and llm.engine.core.requests == {} and not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.slow  # engines of their own (they end unusable): their compiles
 def test_a_failed_rebuild_leaves_the_engine_unusable(llama_dir, monkeypatch):
     llm = LLM(str(llama_dir), **OPTIONS)
-    failing_calls(monkeypatch, llm, llm.engine.runner.forward, {2})
+    failing_calls(monkeypatch, llm, llm.engine.core.runner.forward, {2})
 
     def broken_rebuild():
         raise MemoryError("injected: no room for a fresh KV pool")
 
-    monkeypatch.setattr(llm.engine.runner, "_fresh_state", broken_rebuild)
+    monkeypatch.setattr(llm.engine.core.runner, "_fresh_state", broken_rebuild)
     with pytest.raises(EngineFailed, match="rebuilding the device state") as info:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert isinstance(info.value.__cause__, MemoryError)
     engine = llm.engine
-    assert not engine.healthy and isinstance(engine.failed, MemoryError) and not engine.recovering
-    assert engine.requests == {} and not engine.has_unfinished_requests()  # generate gave its requests up
+    assert not engine.healthy and isinstance(engine.failed, MemoryError) and not engine.core.recovering
+    assert engine.core.requests == {} and not engine.has_unfinished_requests()  # generate gave its requests up
     with pytest.raises(EngineFailed, match="the engine failed and cannot serve: MemoryError: injected"):
         engine.add_request(PROMPTS[0], GREEDY)
     with pytest.raises(EngineFailed, match="cannot serve"):
@@ -149,7 +151,7 @@ def test_a_failed_rebuild_leaves_the_engine_unusable(llama_dir, monkeypatch):
 
     # a device that keeps failing: the engine gives up rather than recompute forever
     stubborn = LLM(str(llama_dir), **OPTIONS)
-    failure = failing_calls(monkeypatch, stubborn, stubborn.engine.runner.forward, set(range(1, 100)))
+    failure = failing_calls(monkeypatch, stubborn, stubborn.engine.core.runner.forward, set(range(1, 100)))
     with pytest.raises(EngineFailed, match=f"{MAX_RECOVERIES_IN_A_ROW + 1} engine steps in a row failed"):
         stubborn.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert failure.calls == MAX_RECOVERIES_IN_A_ROW + 1

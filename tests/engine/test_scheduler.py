@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 from budgets import zipage_budget
 from fake_device import FakeDevice, check_block_manager
@@ -12,30 +13,54 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zipage_jax.engine.block_manager import BlockManager
-from zipage_jax.engine.runner.results import PromptLogprobsResult, RowFailure, RunnerOutput, StepResult
+from zipage_jax.engine.core_outputs import EngineCoreOutputs
+from zipage_jax.engine.runner.results import FetchedStep, PromptLogprobsResult, RowFailure, RunnerOutput
+from zipage_jax.engine.running_batch import RunningBatch
 from zipage_jax.engine.scheduler import Chunk, Scheduler, SchedulerOutput
-from zipage_jax.engine.sequence import Sequence, SequenceStatus
+from zipage_jax.engine.sequence import PENDING, Sequence, SequenceStatus
+from zipage_jax.sampling_params import SamplingParams
 
 
-class LengthChecker:
-    """A stop checker that only counts (the scheduler asks it whether a token ends its sequence)."""
+def sampled_rows(out: SchedulerOutput) -> np.ndarray:
+    """The batch rows whose token a dispatched step samples: its decode rows, then the rows of
+    the chunks that end at their sequence's last token."""
+    rows = [c.seq.row for c in out.chunks if c.samples]
+    return np.concatenate([out.decode_rows, np.asarray(rows, np.int64)]).astype(np.int64)
 
-    def __init__(self, max_tokens: int, stop_at: int | None = None):
-        self.max_tokens, self.stop_at = max_tokens, stop_at
-        self.num_tokens = 0
-        self.stop_reason: int | None = None
 
-    def append(self, token_id: int, final: bool = False) -> tuple[str, str | None]:
-        self.num_tokens += 1
-        if token_id == self.stop_at:
-            self.stop_reason = token_id
-            return "", "stop"
-        return f"<{token_id}>", "length" if self.num_tokens >= self.max_tokens else None
+def fetched(sched: Scheduler, rows, tokens, epochs: np.ndarray | None = None,
+            prompt_logprobs: list[PromptLogprobsResult] = ()) -> FetchedStep:
+    """A step's results as the runner reads them back: row `rows[i]` sampled `tokens[i]`; `epochs`:
+    the rows' epochs when the step was dispatched (default: now)."""
+    rows = np.asarray(rows, np.int64)
+    n = len(rows)
+    return FetchedStep(rows, sched.batch.epoch[rows].copy() if epochs is None else epochs,
+                       np.asarray(tokens, np.int32).reshape(n), np.zeros(n, np.float32), np.zeros((n, 1), np.int32),
+                       np.zeros((n, 1), np.float32), prompt_logprobs=list(prompt_logprobs))
+
+
+@dataclasses.dataclass
+class Stepped:
+    """One step of the fake loop: what the scheduler planned, every chunk it computed (decode rows
+    as one-token chunks, as they stood when it was scheduled), and what the update handed back."""
+
+    out: SchedulerOutput
+    chunks: list[Chunk]
+    result: EngineCoreOutputs
+
+    @property
+    def compressions(self):
+        return self.out.compressions
+
+    @property
+    def preempted(self):
+        return self.out.preempted
 
 
 class Loop:
-    """The engine loop of llm_engine.step with the model replaced by FakeDevice; checks the
-    scheduler's promises around every step."""
+    """The engine loop of EngineCore.step with the model replaced by FakeDevice, and synchronous
+    scheduling (a step's tokens are read back in its own update); checks the scheduler's promises
+    around every step."""
 
     def __init__(self, num_blocks: int, bs: int = 4, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
                  num_query_slots: int = 8, max_compress_seqs: int = 8, prefix_caching: bool = True,
@@ -50,7 +75,7 @@ class Loop:
         self.max_tokens: dict[Sequence, int] = {}
         self.seqs: list[Sequence] = []
         self.admitted: list[Sequence] = []  # in order of first admission
-        self.history: list[SchedulerOutput] = []
+        self.history: list[Stepped] = []
         self.compactions: list[tuple[Sequence, int]] = []  # (sequence, its computed tokens then)
         self.slots_in_use = 0  # most query slots ever held at once
         self.tails: list[tuple[Sequence, int, int]] = []  # (sequence, chunk end, tail tokens)
@@ -62,25 +87,26 @@ class Loop:
         if deferred:
             kv_budget = dataclasses.replace(kv_budget, deferred=True)
         seq = Sequence(list(token_ids), self.bs, budget=kv_budget, parent=parent, query_cache_len=self.ql,
-                       stop_checker=LengthChecker(max_tokens))
+                       max_len=len(token_ids) + max_tokens)
         self.max_tokens[seq] = max_tokens
         self.seqs.append(seq)
         self.sched.add(seq)
         return seq
 
-    def step(self) -> SchedulerOutput:
+    def step(self) -> Stepped:
         before = {s: _state(s, self.bs, self.sched) for s in self.seqs}
         running, waiting = list(self.sched.running), list(self.sched.waiting)
         out = self.sched.schedule()
-        self._check_output(out, before, running, waiting)
+        chunks = out.all_chunks(self.sched.batch)
+        self._check_output(out, chunks, before, running, waiting)
         for plan in out.compressions:
             self.device.check_query_tail(plan.seq, self.observed.pop(plan.seq, None))
             self.device.compact(plan)
             self.compactions.append((plan.seq, plan.seq.num_computed_tokens))
-        evicted = self.sched.finish_compressions(out)
-        assert evicted == sum(before[p.seq]["kv"] - p.seq.budget_blocks * self.bs for p in out.compressions)
-        for chunk in out.chunks:
+        for chunk in chunks:
             seq = chunk.seq
+            if seq not in self.admitted:
+                self.admitted.append(seq)
             self.device.write(seq, chunk.start, chunk.num_tokens, chunk.tail, chunk.tail_start, chunk.tail_blocks)
             self.observed.pop(seq, None)
             if chunk.tail:
@@ -89,44 +115,46 @@ class Loop:
                 self.observed[seq] = (list(range(chunk.start, chunk.start + chunk.num_tokens))
                                       + list(range(first, first + chunk.tail)))
                 self.tails.append((seq, chunk.start + chunk.num_tokens, chunk.tail))
-            self.sched.release_tail(chunk)
-        sampled = []
-        for chunk in out.chunks:
-            seq = chunk.seq
-            if seq not in self.admitted:
-                self.admitted.append(seq)
-            samples = chunk.samples
-            self.sched.commit(chunk)
-            if samples:  # the sampled token arrives at once (synchronous scheduling)
-                sampled.append(StepResult(chunk, self.rng.randrange(3), 0.0, None, None))
-        self.sched.update_from_output(RunnerOutput(sampled))
+        rows = sampled_rows(out)
+        sampled = [self.sched.batch.seqs[row] for row in rows]
+        assert sorted(s.seq_id for s in sampled) == sorted(c.seq.seq_id for c in chunks if c.samples)
+        tokens = [self.rng.randrange(3) for _ in sampled]  # they arrive at once (synchronous scheduling)
+        result = self.sched.update_from_output(out, RunnerOutput(fetched=[fetched(self.sched, rows, tokens)]))
+        self._check_result(out, result, before, sampled, tokens)
         self.check_state()
-        self.history.append(out)
-        return out
+        stepped = Stepped(out, chunks, result)
+        self.history.append(stepped)
+        return stepped
 
     def run(self, max_steps: int = 2000) -> int:
         for steps in range(max_steps):
             if not self.sched.has_unfinished():
                 return steps
             out = self.step()
-            assert out.chunks or out.compressions, f"stalled at step {steps}"
+            assert not out.out.empty, f"stalled at step {steps}"
         raise AssertionError(f"not finished after {max_steps} steps")
 
     # -- checks ---------------------------------------------------------------------------------
 
-    def _check_output(self, out, before, running, waiting) -> None:
+    def _check_output(self, out, chunks, before, running, waiting) -> None:
         sched, bs = self.sched, self.bs
-        assert sum(c.num_tokens + c.tail for c in out.chunks) <= sched.max_num_batched_tokens
+        assert sum(c.num_tokens + c.tail for c in chunks) <= sched.max_num_batched_tokens
         rows = sum(-(-c.num_tokens // sched.prefill_row_size) + -(-c.tail // sched.prefill_row_size)
-                   for c in out.chunks if c.num_tokens > 1 or c.tail)
+                   for c in chunks if c.num_tokens > 1 or c.tail)
         assert rows <= sched.max_num_batched_tokens // sched.prefill_row_size
-        for c in out.chunks:  # a tail's scratch blocks: its own, outside every table
+        # a decode row: a running sequence past its prompt, its last token (the only one left) to compute
+        assert len(set(out.decode_rows.tolist())) == len(out.decode_rows)
+        for row in out.decode_rows:
+            seq = sched.batch.seqs[row]
+            assert seq is not None and seq.row == row and sched.batch.running[row]
+            assert seq.num_computed_tokens == len(seq) - 1 >= seq.num_prefill_tokens and not seq.compressing
+        for c in chunks:  # a tail's scratch blocks: its own, outside every table
             assert len(c.tail_blocks) == -(-c.tail // bs)
             assert all(self.bm.blocks[b].ref_count == 1 for b in c.tail_blocks)
             assert not set(c.tail_blocks) & {b for s in self.seqs for b in s.block_table}
         assert len(sched.running) <= sched.max_num_seqs
-        assert len({c.seq for c in out.chunks}) == len(out.chunks)
-        for c in out.chunks:
+        assert len({c.seq for c in chunks}) == len(chunks)
+        for c in chunks:
             seq = c.seq
             assert seq.status == SequenceStatus.RUNNING and not seq.compressing
             assert c.start == seq.num_computed_tokens and 1 <= c.num_tokens <= len(seq) - c.start
@@ -155,7 +183,7 @@ class Loop:
         assert len(planned) == len(set(planned)) <= sched.max_compress_seqs
         for s in remaining:
             if before[s]["full"] and not before[s]["compressing"]:
-                assert s not in [c.seq for c in out.chunks], "grows past its budget"
+                assert s not in [c.seq for c in chunks], "grows past its budget"
         for plan in out.compressions:
             seq, m = plan.seq, plan.seq.budget_blocks
             assert before[seq]["full"] and not before[seq]["compressing"] and seq.compressing
@@ -167,10 +195,30 @@ class Loop:
             kept = [b for b in plan.source_table if b in plan.target_table]
             assert sorted(plan.release) == sorted(b for b in plan.source_table if b not in kept)
 
+    def _check_result(self, out, result, before, sampled, tokens) -> None:
+        """What the update handed back: every token sampled (none left pending: they arrived at
+        once), the sequences that reached their length, the compactions and what they evicted."""
+        assert result.seq_ids.tolist() == [s.seq_id for s in sampled] and result.token_ids.tolist() == tokens
+        assert all(s.num_pending == 0 and s.token_ids[-1] == t for s, t in zip(sampled, tokens))
+        done = [s for s in sampled if s.num_output_tokens == self.max_tokens[s]]
+        assert [(f.seq_id, f.reason, f.stop_reason) for f in result.finished] == \
+            [(s.seq_id, "length", None) for s in done]
+        assert all(s.is_finished and s.finish_reason == "length" for s in done)
+        assert result.compressed == [p.seq.seq_id for p in out.compressions]
+        assert result.kv_tokens_evicted == sum(before[p.seq]["kv"] - p.seq.budget_blocks * self.bs
+                                               for p in out.compressions)
+        assert not result.failures
+
     def check_state(self) -> None:
         live = [s for s in self.seqs if not s.is_finished]
         assert set(live) == set(self.sched.running) | set(self.sched.waiting)
         assert len(self.sched.running) == len(set(self.sched.running))
+        batch = self.sched.batch  # a row per running sequence, and only those
+        assert batch.num_running == len(self.sched.running) <= self.sched.max_num_seqs
+        assert all(batch.seqs[s.row] is s and batch.running[s.row] for s in self.sched.running)
+        assert sorted(batch.free_rows) == [r for r in range(batch.num_rows) if batch.seqs[r] is None]
+        assert all(s.row is None for s in self.seqs if s.status != SequenceStatus.RUNNING)
+        assert PENDING not in [t for s in self.seqs for t in s.token_ids]
         check_block_manager(self.bm, live, self.device)
         for s in self.seqs:
             if s.status != SequenceStatus.RUNNING:
@@ -192,6 +240,7 @@ class Loop:
         assert all(s.is_finished for s in self.seqs)
         assert self.bm.num_free_blocks == self.bm.num_usable_blocks, "blocks leaked"
         assert self.sched.query_slots.in_use == 0, "query slots leaked"
+        assert len(self.sched.batch.free_rows) == self.sched.batch.num_rows, "rows leaked"
 
 
 def _state(seq: Sequence, bs: int, sched: Scheduler) -> dict:
@@ -365,7 +414,9 @@ def test_a_compression_that_needs_blocks_for_shared_ones_preempts():
     loop.check_all_freed()
 
 
-def test_a_failed_compaction_gives_back_its_replacement_blocks(monkeypatch):
+def test_a_failed_compaction_is_recovered_on_a_fresh_pool(monkeypatch):
+    # a compaction fails on the device: the engine requeues every sequence (Scheduler.requeue_all)
+    # and the block manager starts over; the replacement blocks the plan took are free again
     loop = Loop(32, 4, max_num_batched_tokens=16, num_query_slots=2, query_cache_len=1)
     p = prompt(14, 0)
     parent = loop.add(p, max_tokens=12, budget=1)
@@ -384,11 +435,21 @@ def test_a_failed_compaction_gives_back_its_replacement_blocks(monkeypatch):
     fresh = [t for plan in plans for t, s in zip(plan.target_table, plan.source_table) if t != s]
     assert fresh, "no replacement block was allocated: the test shows nothing"
     live = [s for s in loop.seqs if not s.is_finished]
-    check_block_manager(loop.bm, live, pending=fresh)
-    loop.sched.abort_compressions(outs[-1])
-    check_block_manager(loop.bm, live)  # the replacements are free again, every ref count as before
+    check_block_manager(loop.bm, live, pending=fresh)  # held by the plan alone
+    known = {s: s.token_ids for s in loop.seqs}
+    loop.sched.requeue_all()
+    assert loop.bm.num_free_blocks == loop.bm.num_usable_blocks and loop.bm.hash_to_block_id == {}
     assert all(loop.bm.blocks[b].ref_count == 0 and b in loop.bm.free_block_ids for b in fresh)
-    assert all(plan.seq.block_table == plan.source_table and not plan.seq.compressing for plan in plans)
+    assert loop.sched.query_slots.in_use == loop.sched.batch.num_running == 0
+    assert all(s.status == SequenceStatus.WAITING and s.block_table == [] and not s.compressing
+               and s.num_computed_tokens == s.num_kv_slots == 0 for s in loop.seqs)
+    assert list(loop.sched.waiting) == loop.seqs  # in admission order
+    loop.check_state()
+    loop.device = FakeDevice(32, 4, 2, 1)  # nothing of the old pool may be read again
+    loop.run()
+    assert all(s.num_output_tokens == 12 and s.token_ids[:len(known[s])] == known[s] for s in loop.seqs)
+    assert parent.metrics.num_compressions > 0
+    loop.check_all_freed()
 
 
 def test_requeue_all_recomputes_every_sequence_from_its_tokens_on_a_fresh_device():
@@ -404,7 +465,8 @@ def test_requeue_all_recomputes_every_sequence_from_its_tokens_on_a_fresh_device
     assert list(loop.sched.waiting) == running + waiting and loop.sched.running == []
     assert {s: s.token_ids for s in seqs} == known  # what the host knew stays, the pending token goes
     assert loop.bm.num_free_blocks == loop.bm.num_usable_blocks and loop.bm.hash_to_block_id == {}
-    assert loop.sched.query_slots.in_use == loop.sched.state_slots.in_use == 0
+    assert loop.sched.query_slots.in_use == loop.sched.batch.num_running == 0
+    assert len(loop.sched.batch.free_rows) == loop.sched.batch.num_rows
     assert all(s.num_computed_tokens == s.num_kv_slots == 0 and not s.compressed for s in seqs)
     loop.device = FakeDevice(24, 4, 8, 1)  # nothing of the old pool may be read again
     loop.run()
@@ -551,11 +613,21 @@ def test_random_workloads_on_tiny_pools_always_finish(w):
                 break
             continue
         out = loop.step()
-        assert out.chunks or out.compressions, f"stalled at step {step}"
+        assert not out.out.empty, f"stalled at step {step}"
     else:
         raise AssertionError("not finished after 3000 steps")
     loop.check_all_freed()
     assert all(s.num_output_tokens == loop.max_tokens[s] for s in loop.seqs if s is not aborted)
+
+
+def run_step(sched: Scheduler, token_id: int = 9) -> tuple[SchedulerOutput, list[Chunk]]:
+    """One step scheduled, dispatched and read back at once, every sampled row getting `token_id`:
+    what it scheduled and all its chunks."""
+    out = sched.schedule()
+    chunks = out.all_chunks(sched.batch)
+    rows = sampled_rows(out)
+    sched.update_from_output(out, RunnerOutput(fetched=[fetched(sched, rows, [token_id] * len(rows))]))
+    return out, chunks
 
 
 def test_prefill_rows_stay_within_the_grid_and_a_full_row_beside_a_decode():
@@ -563,23 +635,20 @@ def test_prefill_rows_stay_within_the_grid_and_a_full_row_beside_a_decode():
     bm = BlockManager(64, 4, True)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16, num_query_slots=8, max_compress_seqs=8,
                       prefill_row_size=8)
-    decoding = Sequence([1, 2, 3], 4)
+    decoding = Sequence([1, 2, 3], 4, max_len=100)
     sched.add(decoding)
-    for chunk in sched.schedule().chunks:  # its prompt
-        sched.commit(chunk)
-    decoding.resolve(9)  # sampled: it decodes from now on
+    run_step(sched)  # its prompt, and its first token: it decodes from now on
+    assert decoding.token_ids == [1, 2, 3, 9]
     for prompt_len in (3, 9, 30):
-        sched.add(Sequence(list(range(1, prompt_len + 1)), 4))
+        sched.add(Sequence(list(range(1, prompt_len + 1)), 4, max_len=100))
+    decoded = 0
     for _ in range(6):
-        out = sched.schedule()
-        prefill = [c for c in out.chunks if c.num_tokens > 1]
+        out, chunks = run_step(sched)
+        prefill = [c for c in chunks if c.num_tokens > 1]
         assert sum(-(-c.num_tokens // 8) for c in prefill) <= 2  # rows
-        assert sum(c.num_tokens for c in out.chunks) <= 16  # tokens
-        for chunk in out.chunks:
-            samples = chunk.samples
-            sched.commit(chunk)
-            if samples:
-                chunk.seq.resolve(9)
+        assert sum(c.num_tokens for c in chunks) <= 16  # tokens
+        decoded += decoding.row in out.decode_rows
+    assert decoded == 6  # the decode never waited for a row
     assert all(not s.in_prefill for s in sched.running)
 
 
@@ -587,14 +656,13 @@ def test_a_step_of_one_row_still_admits_a_prefill_beside_a_decode():
     bm = BlockManager(64, 4, True)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, num_query_slots=8, max_compress_seqs=8,
                       prefill_row_size=8)
-    first = Sequence([1, 2], 4)
+    first = Sequence([1, 2], 4, max_len=100)
     sched.add(first)
-    for chunk in sched.schedule().chunks:
-        sched.commit(chunk)
-    first.resolve(5)
-    sched.add(Sequence([3, 4, 5, 6, 7], 4))
+    run_step(sched, 5)
+    sched.add(Sequence([3, 4, 5, 6, 7], 4, max_len=100))
     out = sched.schedule()
-    assert sorted(c.num_tokens for c in out.chunks) == [1, 5]  # the decode and the whole 5-token prompt
+    assert out.decode_rows.tolist() == [first.row]
+    assert sorted(c.num_tokens for c in out.all_chunks(sched.batch)) == [1, 5]  # the decode, the whole prompt
 
 
 # -- prompt tails and deferred prompts -----------------------------------------------------------
@@ -661,19 +729,12 @@ def test_a_tail_always_fits_a_step_beside_its_chunks_row():
     two_rows = Scheduler(BlockManager(64, 16, True), max_num_seqs=4, max_num_batched_tokens=64, num_query_slots=4,
                          max_compress_seqs=4, prefill_row_size=32, prompt_window=48)
     assert two_rows.prompt.window == 32  # half a step, a row beside the chunk's
-    seq = Sequence(prompt(200, 0), 16, budget=zipage_budget(2, 16, 8), query_cache_len=8)
+    seq = Sequence(prompt(200, 0), 16, budget=zipage_budget(2, 16, 8), query_cache_len=8, max_len=210)
     two_rows.add(seq)
     steps, tails = 0, []
     while seq.num_computed_tokens < 200 and steps < 100:
-        out = two_rows.schedule()
-        for plan in out.compressions:
-            two_rows.finish_compressions(SchedulerOutput(compressions=[plan]))
-        for chunk in out.chunks:
-            tails.append(chunk.tail)
-            two_rows.release_tail(chunk)
-            two_rows.commit(chunk)
-            if chunk.samples:
-                seq.resolve(1)
+        out, _ = run_step(two_rows, 1)
+        tails += [chunk.tail for chunk in out.chunks]
         steps += 1
     assert seq.num_computed_tokens == 200 and 32 in tails  # every point reached, each with its tail
 
@@ -681,47 +742,148 @@ def test_a_tail_always_fits_a_step_beside_its_chunks_row():
 # -- a step's output ----------------------------------------------------------------------------
 
 
-def dispatched(sched: Scheduler) -> list[Chunk]:
-    """One step scheduled and dispatched: its chunks (their tokens PENDING until they arrive)."""
+@dataclasses.dataclass
+class Dispatched:
+    """A step scheduled and dispatched (committed: its sampled tokens PENDING until they arrive)."""
+
+    out: SchedulerOutput
+    rows: np.ndarray  # the rows it samples
+    epochs: np.ndarray  # theirs when it was dispatched
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.out.chunks
+
+
+def dispatched(sched: Scheduler, device: FakeDevice | None = None) -> Dispatched:
+    """`device`: the step's chunks are written there (for a loop that runs on afterwards)."""
     out = sched.schedule()
-    for chunk in out.chunks:
-        sched.release_tail(chunk)
-        sched.commit(chunk)
-    return out.chunks
+    if device is not None:
+        for c in out.all_chunks(sched.batch):
+            device.write(c.seq, c.start, c.num_tokens, c.tail, c.tail_start, c.tail_blocks)
+    rows = sampled_rows(out)
+    epochs = sched.batch.epoch[rows].copy()
+    sched.update_from_output(out, RunnerOutput())
+    return Dispatched(out, rows, epochs)
 
 
-def token(chunk: Chunk, token_id: int) -> StepResult:
-    return StepResult(chunk, token_id, 0.0, None, None)
+def arrive(sched: Scheduler, *steps: tuple[Dispatched, list[int]]) -> EngineCoreOutputs:
+    """The tokens of earlier steps reach the host (in an update of a step that scheduled nothing)."""
+    return sched.update_from_output(SchedulerOutput(), RunnerOutput(
+        fetched=[fetched(sched, d.rows, tokens, d.epochs) for d, tokens in steps]))
+
+
+def with_params(loop: Loop, token_ids: list[int], params: SamplingParams, max_len: int | None = None) -> Sequence:
+    seq = Sequence(list(token_ids), loop.bs, params=params, max_len=max_len or len(token_ids) + params.max_tokens)
+    loop.max_tokens[seq] = params.max_tokens
+    loop.seqs.append(seq)
+    loop.sched.add(seq)
+    return seq
 
 
 def test_a_token_joins_its_sequence_commits_its_blocks_and_stops_it():
     loop = Loop(16)
-    seq = loop.add(prompt(7, 0), max_tokens=10)
-    seq.stop_checker.stop_at = 9
-    [first] = dispatched(loop.sched)
-    [second] = dispatched(loop.sched)  # asynchronous scheduling: before the first token arrives
+    seq = with_params(loop, prompt(7, 0), SamplingParams(max_tokens=10, stop_token_ids=[9]))
+    first = dispatched(loop.sched)
+    second = dispatched(loop.sched)  # asynchronous scheduling: before the first token arrives
+    assert len(second.out.decode_rows) == 1 and not second.chunks  # it decodes the PENDING token
     assert seq.num_pending == 2 and seq.num_hashed_blocks == 1  # block 1 holds a PENDING token
-    update = loop.sched.update_from_output(RunnerOutput([token(first, 5)]))
+    update = arrive(loop.sched, (first, [5]))
     assert seq.token_ids[7] == 5 and seq.num_pending == 1 and seq.num_hashed_blocks == 2
-    assert update.tokens == [(seq, token(first, 5), "<5>")] and update.finished == []
-    assert seq.metrics.first_token_time is not None and not seq.is_finished
-    [third] = dispatched(loop.sched)
-    update = loop.sched.update_from_output(RunnerOutput([token(second, 9), token(third, 1)]))
-    assert update.finished == [seq] and [t for _, t, _ in update.tokens] == [token(second, 9)]  # the third dropped
+    assert (update.seq_ids.tolist(), update.token_ids.tolist(), update.finished) == ([seq.seq_id], [5], [])
+    assert not seq.is_finished
+    third = dispatched(loop.sched)
+    update = arrive(loop.sched, (second, [9]), (third, [1]))
+    assert (update.seq_ids.tolist(), update.token_ids.tolist()) == ([seq.seq_id], [9])  # the third dropped
+    assert [(f.seq_id, f.reason, f.stop_reason, f.stop_token) for f in update.finished] == [(seq.seq_id, "stop", 9,
+                                                                                              True)]
     assert (seq.finish_reason, seq.stop_reason, seq.token_ids[-1]) == ("stop", 9, 9) and seq.num_pending == 0
-    assert seq.is_finished and seq.metrics.finish_time is not None
+    assert seq.is_finished and seq.token_ids == prompt(7, 0) + [5, 9]
     loop.check_all_freed()
 
 
 def test_a_sequence_at_its_length_limit_finishes():
     loop = Loop(16)
-    seq = loop.add(prompt(7, 0), max_tokens=100)
-    seq.max_len = 9
+    seq = with_params(loop, prompt(7, 0), SamplingParams(max_tokens=100, ignore_eos=True), max_len=9)
     for expected in (None, "length"):
-        [chunk] = dispatched(loop.sched)
-        loop.sched.update_from_output(RunnerOutput([token(chunk, 1)]))
+        update = arrive(loop.sched, (dispatched(loop.sched), [1]))
         assert seq.finish_reason == expected
+    assert [(f.seq_id, f.reason, f.stop_reason, f.stop_token) for f in update.finished] == \
+        [(seq.seq_id, "length", None, False)]
     assert len(seq) == 9 and not loop.sched.has_unfinished()
+    loop.check_all_freed()
+
+
+def test_eos_stop_ids_min_tokens_and_max_tokens_finish_rows_in_one_step():
+    # four rows decode together; each token is checked against its own row's request
+    bm = BlockManager(64, 4, True)
+    batch = RunningBatch(8, 63, 4, (2,))  # EOS: token 2
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, num_query_slots=8, max_compress_seqs=8,
+                      batch=batch)
+    params = {"eos": SamplingParams(max_tokens=10),
+              "ignore_eos": SamplingParams(max_tokens=10, ignore_eos=True),
+              "min_tokens": SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[7]),
+              "max_tokens": SamplingParams(max_tokens=2)}
+    seqs = {name: Sequence([10 + i, 11, 12], 4, params=p, max_len=3 + p.max_tokens)
+            for i, (name, p) in enumerate(params.items())}
+    for seq in seqs.values():
+        sched.add(seq)
+    order = list(seqs.values())
+
+    def step(tokens: dict[str, int]) -> EngineCoreOutputs:
+        out = sched.schedule()
+        rows = sampled_rows(out)
+        by_row = {s.row: tokens[name] for name, s in seqs.items() if not s.is_finished}
+        return sched.update_from_output(out, RunnerOutput(
+            fetched=[fetched(sched, rows, [by_row[r] for r in rows.tolist()])]))
+
+    first = step({"eos": 5, "ignore_eos": 2, "min_tokens": 7, "max_tokens": 5})
+    assert first.finished == [] and all(s.num_output_tokens == 1 for s in order)  # the stop id within min_tokens
+    second = step({"eos": 2, "ignore_eos": 2, "min_tokens": 2, "max_tokens": 5})
+    assert [(f.seq_id, f.reason, f.stop_reason, f.stop_token) for f in second.finished] == [
+        (seqs["eos"].seq_id, "stop", None, True), (seqs["max_tokens"].seq_id, "length", None, False)]
+    third = step({"ignore_eos": 2, "min_tokens": 7})  # past min_tokens: the stop id stops it
+    assert [(f.seq_id, f.reason, f.stop_reason, f.stop_token) for f in third.finished] == [
+        (seqs["min_tokens"].seq_id, "stop", 7, True)]
+    assert seqs["min_tokens"].token_ids[3:] == [7, 2, 7]  # EOS is no stop token of its own (min_tokens: 2)
+    assert seqs["ignore_eos"].token_ids[3:] == [2, 2, 2] and not seqs["ignore_eos"].is_finished
+    assert seqs["eos"].token_ids[3:] == [5, 2] and seqs["max_tokens"].token_ids[3:] == [5, 5]
+
+
+def test_a_preempted_sequence_keeps_its_row_until_its_token_in_flight_arrives():
+    loop = Loop(16)
+    seq = loop.add(prompt(7, 0), max_tokens=4)
+    step = dispatched(loop.sched, loop.device)
+    row = seq.row
+    loop.sched.preempt(seq, SchedulerOutput())
+    assert seq.row == row and loop.sched.batch.occupied[row] and not loop.sched.batch.running[row]
+    assert list(loop.sched.waiting) == [seq] and loop.sched.running == [] and seq.num_pending == 1
+    assert seq.block_table == [] and seq.num_computed_tokens == 0
+    update = arrive(loop.sched, (step, [2]))
+    assert update.seq_ids.tolist() == [seq.seq_id] and seq.token_ids == prompt(7, 0) + [2]
+    assert seq.row is None and len(loop.sched.batch.free_rows) == loop.sched.batch.num_rows  # the row is free
+    loop.check_state()
+    loop.run()
+    assert seq.num_output_tokens == 4 and seq.token_ids[:8] == prompt(7, 0) + [2]
+    assert seq.num_prefill_tokens == 8  # it computed its token again as a prompt
+    loop.check_all_freed()
+
+
+def test_a_token_for_a_row_that_changed_hands_is_dropped():
+    loop = Loop(16, max_num_seqs=1)
+    gone = loop.add(prompt(5, 0), max_tokens=8)
+    step = dispatched(loop.sched, loop.device)
+    loop.sched.finish(gone)  # aborted while its token is in flight
+    new = loop.add(prompt(6, 1), max_tokens=3)
+    dispatched_new = dispatched(loop.sched, loop.device)
+    assert new.row == step.rows[0]  # the only row, again
+    update = arrive(loop.sched, (step, [1]), (dispatched_new, [2]))
+    assert (update.seq_ids.tolist(), update.token_ids.tolist()) == ([new.seq_id], [2])
+    assert gone.token_ids == prompt(5, 0) and new.token_ids == prompt(6, 1) + [2]
+    loop.run()
+    loop.sched.finish(gone)
+    assert new.num_output_tokens == 3
+    loop.check_all_freed()
 
 
 def test_a_failure_finishes_every_sequence_of_its_request():
@@ -731,13 +893,21 @@ def test_a_failure_finishes_every_sequence_of_its_request():
     sibling = loop.add(prompt(7, 0), max_tokens=10, parent=parent)
     for seq, request_id, index in [(other, "b", 0), (parent, "a", 0), (sibling, "a", 1)]:
         seq.request_id, seq.index = request_id, index
-    ours, theirs = dispatched(loop.sched)  # the sibling waits for its parent's prompt
+    out = loop.sched.schedule()
+    ours, theirs = out.chunks  # the sibling waits for its parent's prompt
     assert ours.seq is other and theirs.seq is parent and sibling in loop.sched.waiting
+    loop.device.write(other, ours.start, ours.num_tokens)  # the step runs without the failed chunk
     error = ValueError("no room for this row")
-    update = loop.sched.update_from_output(RunnerOutput([token(ours, 1)], [RowFailure(theirs, error)]))
-    assert update.failures == [(parent, error)] and update.finished == [parent, sibling]
+    update = loop.sched.update_from_output(out, RunnerOutput(fetched=[fetched(loop.sched, [other.row], [1])],
+                                                             failures=[RowFailure(theirs, error)]))
+    assert update.failures == [("a", "ValueError: no room for this row", error)]
+    assert [(f.seq_id, f.reason) for f in update.finished] == [(parent.seq_id, "error"), (sibling.seq_id, "error")]
     assert parent.finish_reason == sibling.finish_reason == "error" and parent.stop_reason is None
+    assert parent.num_computed_tokens == 0 and parent.token_ids == prompt(7, 0)  # never committed
+    assert update.seq_ids.tolist() == [other.seq_id] and update.token_ids.tolist() == [1]
     assert loop.sched.running == [other] and not loop.sched.waiting and other.num_pending == 0
+    loop.run()
+    loop.check_all_freed()
 
 
 def test_prompt_logprobs_mark_how_far_the_prompt_has_arrived():
@@ -746,10 +916,20 @@ def test_prompt_logprobs_mark_how_far_the_prompt_has_arrived():
     seq.computes_prompt_logprobs = True
     results = []
     while seq.num_computed_tokens < seq.num_prompt_tokens:
-        [chunk] = dispatched(loop.sched)
+        [chunk] = dispatched(loop.sched).chunks
         n = min(chunk.num_tokens, seq.num_prompt_tokens - 1 - chunk.start)
         results.append(PromptLogprobsResult(chunk, chunk.start + 1, [0.0] * n, None, None))
-    first = loop.sched.update_from_output(RunnerOutput(results[:1]))
-    assert first.prompt_logprobs == results[:1] and seq.num_prompt_logprobs == 5 and seq.computes_prompt_logprobs
-    rest = loop.sched.update_from_output(RunnerOutput(results[1:] + results[:1]))  # one arrives again: dropped
-    assert rest.prompt_logprobs == results[1:] and seq.num_prompt_logprobs == 7 and not seq.computes_prompt_logprobs
+
+    def arrived(results: list[PromptLogprobsResult]) -> EngineCoreOutputs:
+        step = fetched(loop.sched, [], [], prompt_logprobs=results)
+        return loop.sched.update_from_output(SchedulerOutput(), RunnerOutput(fetched=[step]))
+
+    def entries(results: list[PromptLogprobsResult]) -> list[tuple]:
+        return [(seq.seq_id, r.first, r.logprobs, r.top_ids, r.top_logprobs) for r in results]
+
+    first = arrived(results[:1])
+    assert first.prompt_logprobs == entries(results[:1])
+    assert seq.num_prompt_logprobs == 5 and seq.computes_prompt_logprobs
+    rest = arrived(results[1:] + results[:1])  # one arrives again: dropped
+    assert rest.prompt_logprobs == entries(results[1:])
+    assert seq.num_prompt_logprobs == 7 and not seq.computes_prompt_logprobs

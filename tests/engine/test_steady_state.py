@@ -68,15 +68,15 @@ def test_warmed_up_engine_never_compiles_and_the_counter_sees_compiles(llama_dir
     # positive control: a fresh engine without warm-up compiles while it serves, once per program
     cold = LLM(str(llama_dir), compilation_cache_dir="", **OPTIONS)  # nothing loaded from a store
     logged, expected = count_compiles(lambda: mixed_workload(cold))
-    compiled = [r for r in cold.engine.runner.records if r.origin == "compiled"]
+    compiled = [r for r in cold.engine.core.runner.records if r.origin == "compiled"]
     assert len(compiled) > 3
     assert logged == len(compiled)  # no program compiled twice (a committed state)
 
     warm = LLM(str(llama_dir), warmup=True, **OPTIONS)
-    assert warm.engine.warmup_status.ready == len(warm.engine.runner.step_grid())
-    built = warm.engine.runner.num_compiles
+    assert warm.engine.warmup_status.ready == len(warm.engine.core.runner.step_grid())
+    built = warm.engine.core.runner.num_compiles
     logged, outputs = count_compiles(lambda: mixed_workload(warm))
-    assert logged == 0 and warm.engine.runner.num_compiles == built
+    assert logged == 0 and warm.engine.core.runner.num_compiles == built
     assert outputs == expected
 
 

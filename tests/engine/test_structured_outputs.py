@@ -4,7 +4,9 @@ cache and n > 1; bad grammars are refused at admission; a constrained request co
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 
 import jsonschema_rs
@@ -78,15 +80,15 @@ def test_params_need_exactly_one_constraint():
 ])
 def test_a_bad_grammar_is_refused_at_admission(llm, spec, message):
     engine = llm.engine
-    before = dict(engine.requests)
+    before = dict(engine.core.requests)
     if message is None:
         request_id = engine.add_request(PROMPTS[1], constrained(**spec))
-        assert request_id in engine.requests
+        assert request_id in engine.core.requests
         engine.abort(request_id)
         return
     with pytest.raises(ValueError, match=message):
         engine.add_request(PROMPTS[1], constrained(**spec))
-    assert engine.requests == before and not engine.has_unfinished_requests()
+    assert engine.core.requests == before and not engine.has_unfinished_requests()
 
 
 def test_greedy_outputs_fit_schemas_regexes_and_choices(llm):
@@ -149,7 +151,7 @@ def test_only_a_constrained_token_in_flight_is_read_before_scheduling(llm, monke
     """Unconstrained steps keep the overlap (step N is read after step N + 1 is dispatched); a
     constrained sequence's step is read before the next one is scheduled."""
     engine, events = llm.engine, []
-    for obj, name in ((engine.scheduler, "schedule"), (engine, "_fetch")):
+    for obj, name in ((engine.core.scheduler, "schedule"), (engine.core.runner, "_fetch")):
         original = getattr(obj, name)
         monkeypatch.setattr(obj, name, lambda *a, _f=original, _n=name: events.append(_n) or _f(*a))
 
@@ -163,11 +165,32 @@ def test_only_a_constrained_token_in_flight_is_read_before_scheduling(llm, monke
     assert order(constrained(regex="[a-z]{8}")) == ["schedule", "_fetch", "schedule", "_fetch", "schedule"]
 
 
-def test_without_reading_the_step_in_flight_a_mask_is_never_built(llm, monkeypatch):
-    # positive control of the test above: the engine refuses to mask with a matcher a token behind
-    monkeypatch.setattr(type(llm.engine), "_resolve_constrained", lambda self, collected: None)
-    out = llm.generate([PROMPTS[0]], constrained(regex=REGEXES[1]), use_tqdm=False)[0]
-    assert out["finish_reason"] == "error"
+def test_without_reading_the_step_in_flight_a_mask_is_never_built(llm, monkeypatch, caplog):
+    """Positive control of the test above: a step that would mask with a matcher a token behind
+    is refused (the step fails; the engine recovers, the sequence computes its tokens again)."""
+    from zipage_jax.engine.runner import model_runner
+
+    @dataclasses.dataclass
+    class Unread(model_runner._InFlight):  # the runner forgets that a constrained row sampled
+        def __post_init__(self):
+            self.constrained = False
+
+    engine = llm.engine
+    recoveries = engine.stats.num_recoveries
+    finals = []
+    with monkeypatch.context() as m, caplog.at_level(logging.ERROR, logger="zipage_jax"):
+        m.setattr(model_runner, "_InFlight", Unread)
+        engine.add_request(PROMPTS[0], constrained(regex=REGEXES[1]))
+        for _ in range(10):
+            finals += [o for o in engine.step() if o.finished]
+            if engine.stats.num_recoveries > recoveries:
+                break
+    assert engine.stats.num_recoveries == recoveries + 1 and finals == []
+    assert "a structured output's mask needs its last token, still on the device" in caplog.text
+    while engine.has_unfinished_requests():  # read in time again: it completes
+        finals += [o for o in engine.step() if o.finished]
+    [out] = finals
+    assert out.outputs[0].finish_reason == "stop" and re.fullmatch(REGEXES[1], out.outputs[0].text)
 
 
 @pytest.mark.slow  # a second engine: its compiles
@@ -218,13 +241,13 @@ def test_a_constrained_request_compiles_nothing(llama_dir):
     free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     fresh.generate([PROMPTS[0]], free, use_tqdm=False)  # decode rows 1, prefill rows 1
     fresh.generate(PROMPTS[:2], free, use_tqdm=False)  # decode rows 2, prefill rows 2
-    compiled = fresh.engine.runner.num_compiles
+    compiled = fresh.engine.core.runner.num_compiles
     outs = fresh.generate(PROMPTS[:2], [constrained(json=PERSON), constrained(choice=CHOICES)], use_tqdm=False)
     outs += fresh.generate([PROMPTS[3]], constrained(regex=REGEXES[0]), use_tqdm=False)
     check_json(outs[0], PERSON)
-    assert fresh.engine.runner.num_compiles == compiled
+    assert fresh.engine.core.runner.num_compiles == compiled
     fresh.generate(PROMPTS[:3], [constrained(json=PERSON)] * 3, use_tqdm=False)  # positive control: 4 rows
-    assert fresh.engine.runner.num_compiles > compiled
+    assert fresh.engine.core.runner.num_compiles > compiled
 
 
 def test_masks_follow_the_grammar_and_ban_ids_past_the_vocabularies(llm):

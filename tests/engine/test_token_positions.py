@@ -22,11 +22,12 @@ def test_positions_follow_the_tokens_through_compaction():
     checked = 0
     while engine.has_unfinished_requests():
         engine.step()
-        running = [s for s in engine.scheduler.running if s.compressed and not s.compressing and s.num_pending == 0]
+        running = [s for s in engine.core.scheduler.running
+                   if s.compressed and not s.compressing and s.num_pending == 0]
         if not running:
             continue
         seq = running[0]
-        state = engine.runner.state  # blocks on the device's work so far
+        state = engine.core.runner.state  # blocks on the device's work so far
         n_slots, n_computed = seq.num_kv_slots, seq.num_computed_tokens
         kept = budget - 4
         last_compaction = n_computed - (n_slots - budget)  # tokens computed when it last compacted
@@ -56,10 +57,11 @@ def test_keep_prompt_holds_the_whole_prompt_beside_the_budget():
                 metrics = out.to_dict()["metrics"]
                 assert metrics["kv_blocks_peak"] == held_blocks + 1
                 assert metrics["num_compressions"] > 0
-        running = [s for s in engine.scheduler.running if s.compressed and not s.compressing and s.num_pending == 0]
+        running = [s for s in engine.core.scheduler.running
+                   if s.compressed and not s.compressing and s.num_pending == 0]
         if running:
             seq = running[0]
-            positions = np.asarray(engine.runner.state.kv.pools[-1].positions)[seq.block_table]
+            positions = np.asarray(engine.core.runner.state.kv.pools[-1].positions)[seq.block_table]
             kept = positions.reshape(-1, positions.shape[-1])[:held_blocks * BS]
             for head in range(kept.shape[1]):
                 assert set(range(len(prompt))) <= set(kept[:, head].tolist())

@@ -25,7 +25,7 @@ def test_layer_groups_divide_the_depth(depth, size):
 
 
 def test_the_grid_puts_the_largest_bucket_of_each_kind_first(llama_dir):
-    runner = LLM(str(llama_dir), **OPTIONS).engine.runner
+    runner = LLM(str(llama_dir), **OPTIONS).engine.core.runner
     grid = runner.step_grid()
     serving = [p for p in grid if p.serving]
     assert grid[:len(serving)] == serving and len({p.key for p in grid}) == len(grid)
@@ -38,12 +38,12 @@ def test_the_grid_puts_the_largest_bucket_of_each_kind_first(llama_dir):
 
 def test_steps_pad_up_to_the_serving_set_and_compile_nothing(llama_dir):
     full = LLM(str(llama_dir), warmup=True, **OPTIONS)
-    grid = len(full.engine.runner.step_grid())
+    grid = len(full.engine.core.runner.step_grid())
     assert full.engine.warmup_status.done and full.engine.warmup_status.ready == grid
     expected = full.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]["token_ids"]
 
     partial = LLM(str(llama_dir), **OPTIONS)
-    runner = partial.engine.runner
+    runner = partial.engine.core.runner
     Warmup([p for p in runner.step_grid() if p.serving]).run()
     built = runner.num_compiles
     got = partial.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
@@ -62,13 +62,14 @@ def test_a_background_warmup_serves_while_it_builds(llama_dir):
     warmup.wait()
     status = llm.engine.warmup_status
     assert status.done and status.serving_ready and status.failed == 0 and status.seconds > 0
-    assert status.ready == status.total == len(llm.engine.runner.step_grid())
-    assert llm.engine.runner.num_compiles == len(llm.engine.runner.records) > status.total  # stages count apart
+    assert status.ready == status.total == len(llm.engine.core.runner.step_grid())
+    runner = llm.engine.core.runner
+    assert runner.num_compiles == len(runner.records) > status.total  # stages count apart
 
 
 def test_the_first_prefill_builds_the_decode_program_beside_it(llama_dir):
     llm = LLM(str(llama_dir), **OPTIONS)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     started = {}
     real = runner.forward.get
 

@@ -73,7 +73,7 @@ def count_compiles(workload) -> int:
 
 
 def shardings(llm) -> dict[str, dict]:
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     arrays = {param_key(path): var[...] for path, var in nnx.to_flat_state(runner.params)}
     arrays = {k: v for k, v in arrays.items() if k.startswith(("layers.0.", "embed_tokens."))}
     kv, sampler = runner.state
@@ -103,7 +103,7 @@ def main() -> None:
     tokens = {}
     for size in (1, args.tp):
         llm = LLM(args.model, tensor_parallel_size=size, kv_cache_dtype=args.kv_cache_dtype, **OPTIONS)
-        runner = llm.engine.runner
+        runner = llm.engine.core.runner
         if size > 1:
             use_backend(runner, args.backend)
         compressions = llm.engine.stats.num_compressions
@@ -123,7 +123,7 @@ def main() -> None:
             report["repeat_identical"] = tuple(repeated) == tokens[size]
             report["shardings"] = shardings(llm)
             report["num_kv_heads"] = runner.model_config.num_kv_heads  # after any repetition
-            report["num_layers"] = llm.engine.loaded.config.num_layers
+            report["num_layers"] = llm.engine.core.loaded.config.num_layers
             report["layers_per_group"] = runner.forward.group_size
             report["collectives"] = {name: collectives(steps) for name, steps in (
                 ("embed", runner.forward.embed), ("layers", runner.forward.layers), ("head", runner.forward.head),

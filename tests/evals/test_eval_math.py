@@ -73,7 +73,7 @@ class FakeLLM:
     def __init__(self, texts: list[list[str]]):
         self.texts = texts
         self.engine = SimpleNamespace(get_stats=lambda: SimpleNamespace(num_preemptions=1, num_compressions=5),
-                                      runner=SimpleNamespace(compile_seconds=0.0))
+                                      core=SimpleNamespace(runner=SimpleNamespace(compile_seconds=0.0)))
         self.conversations = None
 
     def chat(self, conversations, params, use_tqdm=True):

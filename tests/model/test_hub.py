@@ -111,12 +111,12 @@ def _tokens(llm: LLM) -> list[list[int]]:
 def test_a_model_id_generates_what_its_directory_generates(hub_cache):
     by_path = _tokens(LLM(str(hub_cache.a_dir), **ENGINE))
     llm = LLM(REPO, download_dir=str(hub_cache.path), **ENGINE)
-    assert llm.engine.loaded.source == str(snapshot_path(hub_cache.path, REPO, hub_cache.a))
+    assert llm.engine.core.loaded.source == str(snapshot_path(hub_cache.path, REPO, hub_cache.a))
     assert _tokens(llm) == by_path
     # where the model came from shapes no program: the directory's, stored, are loaded
-    assert {r.origin for r in llm.engine.runner.records} == {"loaded"}
+    assert {r.origin for r in llm.engine.core.runner.records} == {"loaded"}
     other = LLM(REPO, revision="v2", download_dir=str(hub_cache.path), **ENGINE)
-    assert other.engine.loaded.source == str(snapshot_path(hub_cache.path, REPO, hub_cache.b))
+    assert other.engine.core.loaded.source == str(snapshot_path(hub_cache.path, REPO, hub_cache.b))
     assert _tokens(other) != by_path  # other weights, other tokens
 
 
@@ -266,7 +266,7 @@ def test_generate_takes_revision_and_download_dir(hub_cache, monkeypatch):
         reached.append(resolve_source(model, cache_dir, revision=revision, download_dir=download_dir))
         raise ValueError("reached load_model")
 
-    monkeypatch.setattr("zipage_jax.engine.llm_engine.load_model", stop_at_load)
+    monkeypatch.setattr("zipage_jax.engine.core.load_model", stop_at_load)
     assert main(["generate", "hi", "--model", REPO, "--revision", "v2", "--download-dir", str(hub_cache.path),
                  "--kvcache-block-size", "16"]) == 2
     assert reached == [snapshot_path(hub_cache.path, REPO, hub_cache.b)]
@@ -274,10 +274,12 @@ def test_generate_takes_revision_and_download_dir(hub_cache, monkeypatch):
 
 @pytest.mark.slow
 def test_serve_names_the_model_by_its_id(hub_cache, monkeypatch):
+    """`serve --model ID` (its engine core in a process of its own) names the model ID and serves
+    the snapshot its default revision points at: the texts it generates are snapshot a's."""
     made = []
 
-    def recording_create_app(factory, names, *args, **kwargs):
-        made.append(create_app(factory, names, *args, **kwargs))
+    def recording_create_app(client, names, *args, **kwargs):
+        made.append(create_app(client, names, *args, **kwargs))
         return made[-1]
 
     with monkeypatch.context() as mp:
@@ -292,7 +294,13 @@ def test_serve_names_the_model_by_its_id(hub_cache, monkeypatch):
             time.sleep(0.05)
         assert health.status_code == 200, health.text
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [REPO]
-        reply = client.post("/v1/completions", json={"model": REPO, "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+        reply = client.post("/v1/completions", json={"model": REPO, "prompt": PROMPTS, "temperature": 0,
+                                                      "max_tokens": GREEDY.max_tokens, "ignore_eos": True})
         assert reply.status_code == 200 and reply.json()["model"] == REPO
-        assert app.state.engine_loop.engine.loaded.source == str(snapshot_path(hub_cache.path, REPO, hub_cache.a))
+    assert app.state.engine_client.config.model == REPO
+    served = [choice["text"] for choice in sorted(reply.json()["choices"], key=lambda c: c["index"])]
+    texts = {name: [r["text"] for r in LLM(str(model_dir), **ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)]
+             for name, model_dir in (("a", hub_cache.a_dir), ("b", hub_cache.b_dir))}
+    assert texts["a"] != texts["b"]  # the check tells the snapshots apart
+    assert served == texts["a"]
 

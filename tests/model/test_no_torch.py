@@ -2,8 +2,10 @@
 
 The test environment has torch installed (for the reference checks), so this asserts on what
 gets imported: a fresh process converts the default model into an empty cache, generates with
-`zipage_jax.generate`, answers a chat request through the server app (loading the model again,
-from the cache), and never imports torch. (`.ci/run` also runs the README's first command in an environment without
+`zipage_jax.generate` (the engine core in this process), answers a chat request through the server
+app as `zipage-jax serve` builds it (its engine core in a process of its own, loading the model
+again, from the cache; the tokenizer, the output stage and HTTP in this one), and never imports
+torch. (`.ci/run` also runs the README's first command in an environment without
 torch at all.)
 """
 
@@ -23,10 +25,11 @@ import zipage_jax
 out = zipage_jax.generate("The capital of France is", max_tokens=4)[0]
 
 from fastapi.testclient import TestClient
-from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.config import EngineConfig
 from zipage_jax.server import create_app
+from zipage_jax.server.process_client import MultiProcessEngineClient
 
-with TestClient(create_app(lambda: LLMEngine(model="default"), ["default"])) as client:
+with TestClient(create_app(MultiProcessEngineClient(EngineConfig(model="default")), ["default"])) as client:
     deadline = time.monotonic() + 300
     while "still loading" in (health := client.get("/health")).text and time.monotonic() < deadline:
         time.sleep(0.5)

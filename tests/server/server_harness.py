@@ -1,5 +1,5 @@
-"""The server under test (uvicorn in a thread, the real engine on a tiny model, failing on
-demand) and the helpers the test_server* modules share."""
+"""The server under test (uvicorn in a thread, the real engine core on a tiny model driven in
+this process, failing on demand) and the helpers the test_server* modules share."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ import pytest
 import uvicorn
 
 from zipage_jax.cli import main
-from zipage_jax.engine.llm_engine import LLMEngine
-from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
+from zipage_jax.engine.core import AdmittedRequest, EngineCore
+from zipage_jax.engine.core_outputs import EngineCoreOutputs, FinishedSequence
+from zipage_jax.engine.sequence import SequenceMetrics
 from zipage_jax.server import create_app
+from zipage_jax.server.engine_client import InProcessEngineClient
 
 MODEL = "tiny"
-POISON_SEED = 4242  # add_request raises for this seed (FaultyEngine)
+POISON_SEED = 4242  # add_requests raises for this seed (FaultyEngine)
 ROW_FAILURE_SEED = 4343  # the engine fails this request alone, as if its step inputs could not be built
 ROW_FAILURE = "injected: this request's step inputs could not be built"
 # Every new batch / chunk / block-table bucket and sampler flag set costs a jit compile, so the
@@ -37,39 +39,43 @@ COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
 
 
-class FaultyEngine(LLMEngine):
-    """The real engine, failing on demand: add_request for POISON_SEED; a step that finishes a
-    ROW_FAILURE_SEED request alone with `error` set (the engine's contract for a request whose
-    step inputs fail to build); step() itself while fail_steps > 0 (a device failure). It is
-    slowed down on demand (step_delay)."""
+class FaultyEngine(EngineCore):
+    """The real engine core, failing on demand: add_requests for POISON_SEED; a step that fails a
+    ROW_FAILURE_SEED request alone (a `failures` entry and an "error" finish for each of its
+    sequences, the request aborted: the core's contract for a request whose step inputs fail to
+    build); step() itself while fail_steps > 0 (a device failure). It is slowed down on demand
+    (step_delay)."""
 
     fail_steps = 0
     step_delay = 0.0
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._doomed: dict[str, int] = {}  # request id -> n
+        self._doomed: list[AdmittedRequest] = []
 
-    def add_request(self, prompt, params=None, request_id=None):
-        if params is not None and params.seed == POISON_SEED:
+    def add_requests(self, requests):
+        if any(params is not None and params.seed == POISON_SEED for _, params, _ in requests):
             raise RuntimeError("poisoned request")
-        request_id = super().add_request(prompt, params, request_id)
-        if params is not None and params.seed == ROW_FAILURE_SEED:
-            self._doomed[request_id] = params.n
-        return request_id
+        admitted = super().add_requests(requests)
+        self._doomed += [r for r in admitted if r.params.seed == ROW_FAILURE_SEED]
+        return admitted
 
-    def step(self):
+    def step(self) -> EngineCoreOutputs:
         if self.fail_steps:
             self.fail_steps -= 1
             raise RuntimeError("injected step failure")
         time.sleep(self.step_delay)
-        failed = []
-        for request_id, n in self._doomed.items():
-            self.abort(request_id)
-            failed.append(RequestOutput(request_id, None, [], [CompletionOutput(i, "", [], "error") for i in range(n)],
-                                        finished=True, error=ROW_FAILURE))
+        failures, finished = [], []
+        for request in self._doomed:
+            self.abort(request.request_id)
+            failures.append((request.request_id, ROW_FAILURE, None))
+            finished += [FinishedSequence(seq_id, "error", None, False, SequenceMetrics())
+                         for seq_id in request.seq_ids]
         self._doomed.clear()
-        return failed + super().step()
+        outputs = super().step()
+        outputs.failures[:0] = failures
+        outputs.finished[:0] = finished
+        return outputs
 
 
 class ServerThread:
@@ -92,16 +98,18 @@ class ServerThread:
 
 @contextlib.contextmanager
 def running_server(tiny_model_factory, model_cache_dir, engine_class=FaultyEngine, **app_options) -> Iterator:
-    """A ServerThread over `engine_class` on the tiny qwen3 model, loaded, with .engine, .client
-    (openai) and .http (httpx), both sending the app's api_key if it has one."""
+    """A ServerThread over `engine_class` (an engine core, driven in this process) on the tiny
+    qwen3 model, loaded, with .engine (the core), .client (openai) and .http (httpx), both
+    sending the app's api_key if it has one."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
         model_dir = str(tiny_model_factory("qwen3"))
-        app = create_app(lambda: engine_class(model=model_dir, **ENGINE_OPTIONS), [MODEL, "alias"], **app_options)
+        client = InProcessEngineClient(lambda: engine_class(model=model_dir, **ENGINE_OPTIONS))
+        app = create_app(client, [MODEL, "alias"], **app_options)
         srv = ServerThread(app)
         try:
             wait_for(lambda: httpx.get(f"{srv.url}/health").status_code == 200, 120, "the model did not load")
-            srv.engine = app.state.engine_loop.engine
+            srv.engine = client.core
             key = app_options.get("api_key")
             srv.client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key or "none", timeout=60, max_retries=0)
             srv.http = httpx.Client(base_url=srv.url, timeout=60,
@@ -165,9 +173,12 @@ def sse_events(lines) -> list[str]:
 @contextlib.contextmanager
 def bystander(srv, max_tokens: int = 24) -> Iterator[None]:
     """A streaming request in flight throughout the block (steps slowed); afterwards it must
-    have completed normally: a chunk per token, finish_reason "length", [DONE], no error."""
+    have completed normally: all its tokens (its usage), finish_reason "length", [DONE], no error.
+    (Its tokens come a chunk each while the server keeps up; a chunk carries several when its
+    outputs wait for the handler meanwhile, its event loop busy with a large body say:
+    server/output_sink.py.)"""
     body = dict(model=MODEL, prompt="bystander", max_tokens=max_tokens, temperature=0, ignore_eos=True,
-                stream=True)
+                stream=True, stream_options={"include_usage": True})
     arrivals: list[tuple[float, str]] = []
     status: list[int] = []
     first = threading.Event()
@@ -195,6 +206,8 @@ def bystander(srv, max_tokens: int = 24) -> Iterator[None]:
     events = [event for _, event in arrivals]
     assert arrivals[-1][0] > started, "the bystander was not in flight during the block"
     assert events[-1] == "[DONE]", events[-3:]
-    chunks = [json.loads(event) for event in events[:-1]]
-    assert all("error" not in c for c in chunks), chunks
-    assert len(chunks) == max_tokens and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    *chunks, usage = [json.loads(event) for event in events[:-1]]
+    assert all("error" not in c for c in chunks + [usage]), chunks + [usage]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == max_tokens, usage
+    assert 0 < len(chunks) <= max_tokens
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["length"]

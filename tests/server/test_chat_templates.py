@@ -76,7 +76,7 @@ QWEN_TOOL_TURNS = (
 def preprocessor_for(tokenizer) -> Preprocessor:
     """The server's preprocessing over `tokenizer`, called in this thread."""
     preprocessor = Preprocessor(RequestLimits(), num_threads=1)
-    preprocessor.prepare(SimpleNamespace(tokenizer=tokenizer))
+    preprocessor.prepare(tokenizer)
     return preprocessor
 
 

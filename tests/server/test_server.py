@@ -26,6 +26,7 @@ from server_harness import (
 )
 
 from zipage_jax.server import create_app
+from zipage_jax.server.engine_client import InProcessEngineClient
 
 # -- the openai client -------------------------------------------------------------------------
 
@@ -38,7 +39,7 @@ def test_models_and_health(server):
 
 
 def test_completion_greedy_matches_stream_and_token_prompt(server):
-    tok = server.app.state.engine_loop.tokenizer
+    tok = server.app.state.engine_client.tokenizer
     prompt = "The fox"
     kwargs = dict(model=MODEL, max_tokens=8, **GREEDY)
     full = server.client.completions.create(prompt=prompt, **kwargs)
@@ -57,7 +58,7 @@ def test_completion_greedy_matches_stream_and_token_prompt(server):
 
 
 def chat_prompt_ids(server, messages: list[dict]) -> list[int]:
-    ids = server.app.state.engine_loop.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+    ids = server.app.state.engine_client.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                                      tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -86,7 +87,7 @@ def test_several_prompts_and_n(server):
     assert out.model == "alias"
     assert [(c.index, c.text, c.finish_reason) for c in out.choices] == [
         (0, solo[0], "length"), (1, solo[0], "length"), (2, solo[1], "length"), (3, solo[1], "length")]
-    tok = server.app.state.engine_loop.tokenizer
+    tok = server.app.state.engine_client.tokenizer
     as_ids = [tok(p)["input_ids"] for p in prompts]
     assert out.usage.prompt_tokens == len(as_ids[0]) + len(as_ids[1]) and out.usage.completion_tokens == 20
     streamed = list(server.client.completions.create(model=MODEL, prompt=as_ids, n=2, max_tokens=5, stream=True,
@@ -300,7 +301,8 @@ def test_health_is_503_while_loading_and_after_a_failed_load():
         release.wait(30)
         raise FileNotFoundError("no such model")
 
-    srv = ServerThread(create_app(slow_broken_engine, [MODEL], on_load_error=failures.append))
+    srv = ServerThread(create_app(InProcessEngineClient(slow_broken_engine), [MODEL],
+                                  on_load_error=failures.append))
     try:
         r = httpx.get(f"{srv.url}/health")
         assert r.status_code == 503 and r.json()["error"]["message"] == "the model is still loading"
@@ -322,7 +324,7 @@ def test_n_above_the_servers_max_n_is_refused_even_while_loading():
         release.wait(30)
         raise RuntimeError("not loaded in this test")
 
-    srv = ServerThread(create_app(never_loads, [MODEL], max_n=2))
+    srv = ServerThread(create_app(InProcessEngineClient(never_loads), [MODEL], max_n=2))
     try:
         r = httpx.post(f"{srv.url}{COMPLETIONS}", json=dict(model=MODEL, prompt="x", n=3))
         assert r.status_code == 400 and r.json()["error"] == {

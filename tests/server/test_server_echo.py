@@ -40,11 +40,11 @@ def post(server, **body) -> dict:
 
 
 def tok_text(server, token_id: int) -> str:
-    return server.app.state.engine_loop.tokenizer.decode([token_id])
+    return server.app.state.engine_client.tokenizer.decode([token_id])
 
 
 def tokens_of(server, text: str) -> list[int]:
-    return server.app.state.engine_loop.tokenizer(text)["input_ids"]
+    return server.app.state.engine_client.tokenizer(text)["input_ids"]
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1, 3])
@@ -64,7 +64,7 @@ def test_echo_logprobs_are_the_teacher_forced_ones(server, forced, max_tokens):
             # keyed by token text: two ids may decode to the same text (a partial UTF-8 byte)
             assert sorted(top.values()) == pytest.approx(sorted({tok_text(server, t): v for t, v in want_top}.values()),
                                                          abs=1e-4)
-        assert lp["tokens"][:len(ids)] == [server.app.state.engine_loop.tokenizer.decode([t]) for t in ids]
+        assert lp["tokens"][:len(ids)] == [server.app.state.engine_client.tokenizer.decode([t]) for t in ids]
         assert lp["text_offset"][0] == 0
     if max_tokens == 0:
         assert [c["text"] for c in out["choices"]] == prompts and out["usage"]["completion_tokens"] == 0
@@ -75,7 +75,7 @@ def test_token_prompts_echo_their_decoded_text(server, forced):
     ids = tokens_of(server, "Token prompts are decoded for echo")
     out = post(server, prompt=[ids], echo=True, logprobs=1, max_tokens=0)
     choice = out["choices"][0]
-    assert choice["text"] == server.app.state.engine_loop.tokenizer.decode(ids)
+    assert choice["text"] == server.app.state.engine_client.tokenizer.decode(ids)
     expected = [want for want, _ in forced(ids)]
     assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
 

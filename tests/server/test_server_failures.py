@@ -33,8 +33,9 @@ from server_harness import (
 )
 
 from zipage_jax.commands import serve as serve_command
-from zipage_jax.engine.llm_engine import EngineFailed
+from zipage_jax.engine.core import EngineFailed
 from zipage_jax.sampling_params import SamplingParams
+from zipage_jax.server.engine_client import InProcessEngineClient
 
 
 @pytest.fixture
@@ -113,9 +114,12 @@ def test_a_device_failure_mid_stream_is_recovered_and_the_stream_ends_as_without
     def inject() -> None:
         failure = FailingCalls(monkeypatch, runner.forward, {2})
         assert rebuilding.wait(30), "the injected failure did not happen"
-        r = server.http.get("/health")
-        health.append((r.status_code, r.json()))
-        release.set()
+        try:  # /health follows the core through its events (the client's output thread): at once, or nearly
+            wait_for(lambda: server.http.get("/health").status_code != 200, 10, "/health missed the rebuild")
+            r = server.http.get("/health")
+            health.append((r.status_code, r.json()))
+        finally:
+            release.set()
         wait_for(lambda: server.http.get("/health").status_code == 200, 30, "/health did not recover")
         health.append(failure.donated)
 
@@ -203,8 +207,11 @@ def test_an_engine_that_cannot_rebuild_fails_its_requests_and_answers_503(tiny_m
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["message"] == (
             f"the server failed to process the request (request id {request_id})")
         wait_for(lambda: failures, 10, "on_engine_error was not called")
-        assert isinstance(failures[0], EngineFailed) and isinstance(failures[0].__cause__, MemoryError)
-        assert srv.app.state.engine_loop.engine_error is failures[0]
+        # the client learns of it as the driver's Fatal event (plain text: the core may be in another process)
+        assert str(failures[0]) == ("the engine failed: EngineFailed: rebuilding the device state after a failed "
+                                    "step failed")
+        assert isinstance(srv.engine.failed, MemoryError)  # the core's own record of why
+        assert srv.app.state.engine_client.engine_error is failures[0]
         unavailable = {"message": "the engine failed and cannot serve (the server's log says why)",
                        "type": "service_unavailable", "param": None, "code": None}
         r = srv.http.get("/health")
@@ -215,7 +222,7 @@ def test_an_engine_that_cannot_rebuild_fails_its_requests_and_answers_503(tiny_m
 
 
 class _FailedEngine(FaultyEngine):
-    """A real engine whose first step finds it failed for good."""
+    """A real engine core whose first step finds it failed for good."""
 
     def __init__(self, **options):
         super().__init__(**options)
@@ -227,8 +234,11 @@ class _FailedEngine(FaultyEngine):
 
 
 def test_serve_exits_1_once_the_engine_has_failed(tiny_model_factory, model_cache_dir, monkeypatch, caplog):
+    """`serve` runs its engine core in a process of its own: here the failing core is driven in
+    this process instead, behind the same client front (the output stage, the engine's events)."""
     monkeypatch.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
-    monkeypatch.setattr(serve_command, "LLMEngine", _FailedEngine)
+    monkeypatch.setattr(serve_command, "MultiProcessEngineClient",
+                        lambda config, log_level: InProcessEngineClient(lambda: _FailedEngine(config=config)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

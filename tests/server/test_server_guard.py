@@ -17,6 +17,7 @@ from server_harness import CHAT, COMPLETIONS, MODEL, USER, metrics, running_serv
 import zipage_jax.server.preprocess as preprocess
 from zipage_jax.server import create_app
 from zipage_jax.server.auth import api_key_from
+from zipage_jax.server.engine_client import InProcessEngineClient
 from zipage_jax.server.limits import DEFAULT_MAX_CHAT_BYTES, chat_bytes
 from zipage_jax.server.protocol import ChatMessage
 
@@ -115,7 +116,7 @@ def test_the_key_comes_from_the_flag_then_the_environment():
 @pytest.mark.parametrize("key", ["", "has space", "tab\t", "é"])
 def test_a_key_that_cannot_be_sent_is_a_value_error(key):
     with pytest.raises(ValueError, match="api_key"):
-        create_app(lambda: None, [MODEL], api_key=key)
+        create_app(InProcessEngineClient(lambda: None), [MODEL], api_key=key)
 
 
 # -- Content-Type ------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ def spinning(decode, seconds: float):
 
 @pytest.mark.parametrize("path, fields", HEAVY, ids=["completions-stream", "chat-stream", "completions", "chat"])
 def test_health_answers_within_100ms_while_logprobs_are_formatted(server, path, fields, monkeypatch, queue_empties):
-    tokenizer = server.app.state.engine_loop.tokenizer  # the response builders'
+    tokenizer = server.app.state.engine_client.tokenizer  # the response builders'
     monkeypatch.setattr(tokenizer, "decode", spinning(tokenizer.decode, DECODE_S))
     body = dict(model=MODEL, n=4, max_tokens=160, temperature=0, ignore_eos=True, **fields)
     done, result = threading.Event(), {}

@@ -11,10 +11,11 @@ import tomllib
 import httpx
 import openai
 import pytest
-from server_harness import CHAT, COMPLETIONS, GREEDY, MODEL, ROOT, USER, ServerThread, sse_events
+from server_harness import CHAT, COMPLETIONS, GREEDY, MODEL, ROOT, USER, ServerThread, slow_steps, sse_events
 from transformers import AutoTokenizer
 
 from zipage_jax.server import create_app
+from zipage_jax.server.engine_client import InProcessEngineClient
 from zipage_jax.server.limits import RequestLimits
 
 VOCAB = 320  # the tiny model's
@@ -51,7 +52,7 @@ def never_loading():
             release.wait(30)
             raise RuntimeError("not loaded in this test")
 
-        servers.append(ServerThread(create_app(never_loads, names, **options)))
+        servers.append(ServerThread(create_app(InProcessEngineClient(never_loads), names, **options)))
         return servers[-1]
 
     yield build
@@ -148,12 +149,15 @@ def _stream(server, path: str, body: dict) -> list[dict]:
 
 
 CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+# The streams below are paced (slow_steps) so that the server keeps up with the engine: a chunk per
+# token. A handler that lags gets its outputs merged, several tokens a chunk (server/output_sink.py).
 
 
 def test_continuous_usage_stats_on_completions(server, reference):
     prompts = ["one two", "three"]
     body = dict(model=MODEL, prompt=prompts, n=2, max_tokens=4, temperature=0, ignore_eos=True, stream=True)
-    chunks = _stream(server, COMPLETIONS, {**body, "stream_options": CONTINUOUS})
+    with slow_steps(server):
+        chunks = _stream(server, COMPLETIONS, {**body, "stream_options": CONTINUOUS})
     *choice_chunks, last = chunks
     seen = {i: 0 for i in range(4)}
     for chunk in choice_chunks:
@@ -166,16 +170,17 @@ def test_continuous_usage_stats_on_completions(server, reference):
     prompt_tokens = sum(len(reference(p)["input_ids"]) for p in prompts)
     assert last["choices"] == [] and last["usage"]["prompt_tokens"] == prompt_tokens
     assert last["usage"]["completion_tokens"] == 16 and "cached_tokens" in last["usage"]["prompt_tokens_details"]
-    plain = _stream(server, COMPLETIONS, {**body, "stream_options": {"include_usage": True,
-                                                                     "continuous_usage_stats": False}})
+    with slow_steps(server):
+        plain = _stream(server, COMPLETIONS, {**body, "stream_options": {"include_usage": True,
+                                                                         "continuous_usage_stats": False}})
     assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"] == last["usage"]
     assert [c["choices"] for c in plain[:-1]] == [c["choices"] for c in choice_chunks]
 
 
 def test_continuous_usage_stats_on_chat_with_the_openai_client(server):
-    stream = server.client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, stream=True,
-                                                   stream_options=CONTINUOUS, **GREEDY)
-    chunks = list(stream)
+    with slow_steps(server):
+        chunks = list(server.client.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, stream=True,
+                                                            stream_options=CONTINUOUS, **GREEDY))
     prompt_tokens = chunks[-1].usage.prompt_tokens
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
     assert [c.usage.completion_tokens for c in chunks[1:-1]] == [1, 2, 3, 4, 5]

@@ -4,8 +4,9 @@ until the serving set (the largest program of each kind) is built; /metrics coun
 and the seconds spent building them; stopping the server stops the warm-up. With warm-up off the
 server is ready once the model has loaded, and programs compile when requests need them.
 
-The real engine on the tiny model, with options that keep its grid small. The window before the
-serving set is ready is held open by a Gate (the grid's builds wait for the test), not by timing."""
+The real engine core on the tiny model (driven in this process), with options that keep its grid
+small. The window before the serving set is ready is held open by a Gate (the grid's builds wait
+for the test), not by timing."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ import uvicorn
 from server_harness import CHAT, COMPLETIONS, MODEL, ROOT, USER, ServerThread, parse_metrics, serve, wait_for
 
 from zipage_jax.commands import serve as serve_command
-from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.config import EngineConfig
+from zipage_jax.engine.core import EngineCore
 from zipage_jax.engine.runner import warmup as warmup_module
 from zipage_jax.engine.runner.model_runner import ModelRunner
 from zipage_jax.server import create_app
+from zipage_jax.server.engine_client import InProcessEngineClient
 
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=4, max_num_batched_tokens=64,
                max_model_len=128, max_compress_seqs=2)
@@ -67,18 +70,18 @@ class Gate:
 
 @contextlib.contextmanager
 def serving(tiny_model_factory, model_cache_dir, store, *, warmup: bool, gate: Gate | None = None) -> Iterator:
-    """A ServerThread over the real engine (executables stored in `store`), its model loaded,
-    with .app, .engine and .http; the gate is opened before the server stops (which waits for
+    """A ServerThread over the real engine core (executables stored in `store`), its model loaded,
+    with .app, .engine (the core) and .http; the gate is opened before the server stops (which waits for
     the builds in progress)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ZIPAGE_JAX_CACHE", str(model_cache_dir))
         model_dir = str(tiny_model_factory("qwen3"))
-        app = create_app(lambda: LLMEngine(model=model_dir, compilation_cache_dir=str(store), **OPTIONS), [MODEL],
-                         warmup=warmup)
+        client = InProcessEngineClient(lambda: EngineCore(model=model_dir, compilation_cache_dir=str(store), **OPTIONS))
+        app = create_app(client, [MODEL], warmup=warmup)
         srv = ServerThread(app)
         try:
-            assert app.state.engine_loop.ready.wait(LOAD_TIMEOUT_S), "the model did not load"
-            srv.engine = app.state.engine_loop.engine
+            assert client.ready.wait(LOAD_TIMEOUT_S), "the model did not load"
+            srv.engine = client.core
             srv.http = httpx.Client(base_url=srv.url, timeout=120)
             yield srv
         finally:
@@ -221,36 +224,38 @@ def test_stopping_the_server_stops_the_warm_up(tiny_model_factory, model_cache_d
 @pytest.fixture
 def serve_run(monkeypatch):
     """Runs `zipage-jax serve` without a model or a port: what it passes create_app, and the
-    options it builds the engine with."""
+    configuration its engine core (in a process of its own) is started with."""
     calls: list[dict] = []
-    engines: list[dict] = []
+    clients: list[types.SimpleNamespace] = []
 
-    def fake_create_app(engine_factory, names, *args, **kwargs):
-        calls.append(kwargs)
-        engine_factory()
-        loop = types.SimpleNamespace(load_error=None, engine_error=None)
-        return types.SimpleNamespace(state=types.SimpleNamespace(engine_loop=loop))
+    def fake_client(config, log_level):
+        clients.append(types.SimpleNamespace(config=config, log_level=log_level, load_error=None, engine_error=None))
+        return clients[-1]
+
+    def fake_create_app(client, names, *args, **kwargs):
+        calls.append(dict(kwargs, client=client))
+        return types.SimpleNamespace(state=types.SimpleNamespace(engine_client=client))
 
     monkeypatch.setattr(serve_command, "create_app", fake_create_app)
-    monkeypatch.setattr(serve_command, "LLMEngine", lambda **options: engines.append(options))
+    monkeypatch.setattr(serve_command, "MultiProcessEngineClient", fake_client)
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, *args, **kwargs: None)
 
-    def run(*argv: str) -> tuple[bool, dict]:
+    def run(*argv: str) -> tuple[bool, EngineConfig]:
         calls.clear()
-        engines.clear()
+        clients.clear()
         assert serve("--kvcache-block-size", "16", *argv) == 0
-        assert len(calls) == 1 and len(engines) == 1
-        return calls[0]["warmup"], engines[0]
+        assert len(calls) == 1 and len(clients) == 1 and calls[0]["client"] is clients[0]
+        return calls[0]["warmup"], clients[0].config
 
     return run
 
 
 @pytest.mark.parametrize("argv, warmup", [((), True), (("--warmup",), True), (("--no-warmup",), False)])
 def test_serve_warms_up_in_the_background_unless_told_not_to(serve_run, argv, warmup):
-    app_warmup, engine_options = serve_run(*argv)
+    app_warmup, engine_config = serve_run(*argv)
     assert app_warmup is warmup
-    assert engine_options["warmup"] is False  # never the engine's blocking warm-up
-    assert engine_options["kvcache_block_size"] == 16 and engine_options["model"] == "default"
+    assert engine_config.warmup is False  # never the engine's blocking warm-up
+    assert engine_config.kvcache_block_size == 16 and engine_config.model == "default"
 
 
 def test_the_launcher_scripts_help_says_the_server_warms_up_by_default():

@@ -1,7 +1,8 @@
 """tool_choice "auto" through the server, with the official openai client: a server with
 --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3 whose model output
 is scripted token by token (ScriptedEngine: each test sets the script), so the markers and the
-calls' arguments arrive split over many deltas."""
+calls' arguments arrive split over many deltas (streams are paced so that the server keeps up: a
+chunk per token)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from scripted_engine import ScriptedEngine
-from server_harness import MODEL, USER, running_server, serve
+from server_harness import MODEL, USER, running_server, serve, slow_steps
 
 from zipage_jax.cli import build_parser
 
@@ -81,10 +82,14 @@ def test_text_without_calls_is_content(server):
         assert choice.finish_reason == "stop"
 
 
+STEP_S = 0.01  # a scripted step's time when streaming: the server keeps up, a chunk per token
+
+
 def stream_chunks(server, script: str, **fields) -> list:
     server.engine.script = script
     fields = {"tools": [WEATHER, TIME, WRITE], "max_tokens": 200, **fields}
-    return list(server.client.chat.completions.create(model=MODEL, messages=USER, stream=True, **fields))
+    with slow_steps(server, STEP_S):
+        return list(server.client.chat.completions.create(model=MODEL, messages=USER, stream=True, **fields))
 
 
 def accumulated(chunks):

@@ -228,14 +228,11 @@ class ReplicatedServer:
 
         from zipage_jax.data_parallel.replicated_engine import ReplicatedEngine
         from zipage_jax.server import create_app
+        from zipage_jax.server.engine_client import InProcessEngineClient
 
-        self.engine = None
-
-        def factory():
-            self.engine = ReplicatedEngine(data_parallel_size=replicas, routing_policy=policy, **options)
-            return self.engine
-
-        self.app = create_app(factory, [SERVED_NAME])
+        self.client = InProcessEngineClient(
+            lambda: ReplicatedEngine(data_parallel_size=replicas, routing_policy=policy, **options))
+        self.app = create_app(self.client, [SERVED_NAME])
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -245,15 +242,19 @@ class ReplicatedServer:
 
     def __enter__(self) -> ReplicatedServer:
         self._thread.start()
-        loop = self.app.state.engine_loop
         deadline = time.monotonic() + FAULT_TIMEOUT_S
         while not (self._server.started and self.http.get("/health").status_code == 200):
-            if loop.load_error is not None:
-                raise RuntimeError(f"the replicas did not load: {loop.load_error}")
+            if self.client.load_error is not None:
+                raise RuntimeError(f"the replicas did not load: {self.client.load_error}")
             if time.monotonic() > deadline:
                 raise TimeoutError("the server did not become ready")
             time.sleep(0.2)
         return self
+
+    @property
+    def engine(self):
+        """The ReplicatedEngine, once loaded (the client's core)."""
+        return self.client.core
 
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True

@@ -1,6 +1,7 @@
 """This engine vs HF transformers `generate` (and llama.cpp when installed) on the same model.
 
     zipage-jax bench engine [--model default] [--batches 1 16 64] [--new-tokens 64] [--runs 3] [--json] [--out PATH]
+    zipage-jax bench engine --skip-hf --baseline COMMIT [--rounds 3] ...
 
 Greedy decoding of a fixed number of new tokens (EOS ignored) for a batch of prompts; output
 tokens per second, median of --runs timed runs after one warm-up (which also compiles), the
@@ -9,6 +10,11 @@ its median decode step against the model's matrix products alone at that batch (
 projections and the LM head, one jitted chain on the same weights): the floor no engine on
 this machine goes under. The last line with --json is one JSON object with every figure and
 the ratios against HF.
+
+With --baseline COMMIT the benchmark runs --rounds times in this tree and in a checkout of
+COMMIT (bench/trees.py), in turns, each run a process of its own with the same flags; the result
+holds each tree's runs, their medians per batch and the ratios of this tree's decode step and
+tokens/s to the baseline's (goal: the decode step at most DECODE_GOAL x the baseline's, its noise).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ def zipage_run(llm, batch: int, new_tokens: int) -> tuple[float, list[float]]:
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     engine = llm.engine
-    ids = [engine.add_request(PROMPT, params) for _ in range(batch)]
+    ids = [engine.add_request(PROMPT, params, stream=False) for _ in range(batch)]
     decode_steps = []
     start = time.perf_counter()
     finished = {}
@@ -64,7 +70,7 @@ def matmul_floor_seconds(llm, batch: int, runs: int = 10) -> float:
     import jax
     import jax.numpy as jnp
 
-    model = llm.engine.loaded.model
+    model = llm.engine.core.loaded.model
     layers = [(layer.self_attn.qkv_proj.kernel[...], layer.self_attn.o_proj.kernel[...],
                layer.mlp.gate_proj.kernel[...], layer.mlp.up_proj.kernel[...], layer.mlp.down_proj.kernel[...])
               for layer in model.layers]
@@ -127,14 +133,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--baseline", metavar="COMMIT", help="also run the benchmark at this commit, in turns")
+    parser.add_argument("--rounds", type=int, default=3, help="with --baseline: runs of each tree")
     add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.baseline:
+        from zipage_jax.bench.engine_baseline import run_against_baseline
+
+        return emit(run_against_baseline(args), args)
     from zipage_jax.crosscheck.reference import load_reference_model
 
     llm = build_llm(args.model, max_num_seqs=max(args.batches), kvcache_block_size=32, warmup=True)
-    source = str(llm.engine.loaded.source)
+    source = str(llm.engine.core.loaded.source)
     results: dict = {"model": source, "new_tokens": args.new_tokens, "runs": args.runs, "batches": {}}
     hf = None if args.skip_hf else load_reference_model(source)
     for batch in args.batches:

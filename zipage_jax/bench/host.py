@@ -6,9 +6,10 @@
 On `random-qwen3-tiny` (random weights, 2 layers, hidden 64: its device time is small, so the
 host's share of a step shows), B requests of a --prompt-len-token prompt each generate
 --new-tokens greedy tokens, with full KV and with a --budget-token KV budget (compacted every
-block), in two engines sharing the model. Per batch and engine: the median wall time of a
-decode step (`engine.step()`, no prefill in it) and the median of its host work
-(`engine.last_step_host_seconds`: the step less its wait for the device). In the same run, the
+block), in two engine cores sharing the model (EngineCore: what the server's engine process
+runs; the output stage is the API process's). Per batch and engine: the median wall time of a
+decode step (`core.step()`, no prefill in it) and the median of its host work
+(`core.last_step_host_seconds`: the step less its wait for the device). In the same run, the
 bare model step (bare_step.py: forward and sampling over the same B rows, no engine) is the
 floor. The three are run in turns, --runs times, and every figure is a median over all runs.
 
@@ -87,10 +88,10 @@ class EngineRun:
 
 def bench_batch(loaded, batch: int, args: argparse.Namespace) -> dict:
     from zipage_jax.bench.bare_step import BareStep
-    from zipage_jax.engine.llm_engine import LLMEngine
+    from zipage_jax.engine.core import EngineCore
 
     batch_prompts = prompts(batch, args.prompt_len, loaded.config.vocab_size)
-    runs = {name: EngineRun(LLMEngine(loaded=loaded, model=MODEL, **engine_options(batch, args, name == "compressed")),
+    runs = {name: EngineRun(EngineCore(loaded=loaded, model=MODEL, **engine_options(batch, args, name == "compressed")),
                             batch_prompts, args.new_tokens)
             for name in ("full", "compressed")}
     bare = BareStep(loaded, batch, args.prompt_len, args.new_tokens, args.block_size)
@@ -128,6 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--runs", type=int, default=3, help="timed runs of each engine and of the bare step")
     parser.add_argument("--streams", type=int, default=256, help="concurrent streams of the server run")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the server's --stream-interval (tokens per streamed chunk; its default: 1)")
     parser.add_argument("--skip-server", action="store_true", help="no server run")
     add_output_arguments(parser)
 
@@ -137,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
 
     loaded = load_model(MODEL)
     result: dict = {"model": MODEL, "workload": {k: getattr(args, k) for k in (
-        "batches", "prompt_len", "new_tokens", "budget", "block_size", "runs", "streams")}, "batches": {}}
+        "batches", "prompt_len", "new_tokens", "budget", "block_size", "runs", "streams", "stream_interval")},
+                    "batches": {}}
     for batch in args.batches:
         row = bench_batch(loaded, batch, args)
         result["batches"][str(batch)] = row

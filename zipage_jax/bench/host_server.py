@@ -3,9 +3,10 @@ one, the same prompts and options, in turns.
 
 The server's run is --streams concurrent streamed completions (token-id prompts, greedy,
 ignore_eos, usage in the last chunk), timed from the first request sent to the last stream's
-end; the client reads each stream's lines and parses only its usage chunk, so the client costs
-the machine little beside the server. Both sides run once untimed first (compiling what the
-workload needs).
+end. The client is a load generator that shares the server's cores, so it does as little as a
+client can: raw HTTP/1.1 over asyncio streams, each response read whole as it arrives and only
+its usage chunk parsed (a real client on another machine would cost this one nothing). Both
+sides run once untimed first (compiling what the workload needs).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import statistics
@@ -47,7 +49,7 @@ def bench_server(loaded, args: argparse.Namespace) -> dict:
             raise RuntimeError(f"LLM.generate gave {got} tokens, expected {expected}")
         return seconds
 
-    with serving(options) as base_url:
+    with serving(options, ["--stream-interval", str(args.stream_interval)]) as base_url:
         def online() -> float:
             start = time.perf_counter()
             got = asyncio.run(_streams(base_url, batch_prompts, args.new_tokens))
@@ -63,7 +65,8 @@ def bench_server(loaded, args: argparse.Namespace) -> dict:
             times["offline"].append(offline())
             times["server"].append(online())
     result = {name: expected / statistics.median(t) for name, t in times.items()}
-    return {"streams": args.streams, "offline_tok_s": result["offline"], "server_tok_s": result["server"],
+    return {"streams": args.streams, "stream_interval": args.stream_interval, "offline_tok_s": result["offline"],
+            "server_tok_s": result["server"],
             "server_over_offline": result["server"] / result["offline"],
             "seconds": {name: [round(s, 3) for s in t] for name, t in times.items()}}
 
@@ -73,16 +76,17 @@ def _flags(options: dict) -> list[str]:
 
 
 @contextlib.contextmanager
-def serving(options: dict) -> Iterator[str]:
-    """`zipage-jax serve` of the bench model with `options` on a free loopback port, once /health
-    is 200; stopped (SIGTERM) on exit. Its log goes to a temporary file, shown if it fails."""
+def serving(options: dict, flags: list[str] = ()) -> Iterator[str]:
+    """`zipage-jax serve` of the bench model with engine `options` and server `flags` on a free
+    loopback port, once /health is 200; stopped (SIGTERM) on exit. Its log goes to a temporary
+    file, shown if it fails."""
     import httpx
 
     from zipage_jax.bench.host import MODEL
 
     port = _free_port()
     command = [sys.executable, "-m", "zipage_jax", "serve", "--model", MODEL, "--port", str(port), "--no-warmup",
-               "--log-level", "warning", *_flags(options)]
+               "--log-level", "warning", *_flags(options), *flags]
     with tempfile.TemporaryFile("w+") as server_log:
         proc = subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT, env=os.environ.copy())
         base_url = f"http://127.0.0.1:{port}"
@@ -111,28 +115,27 @@ def serving(options: dict) -> Iterator[str]:
 
 async def _streams(base_url: str, batch_prompts: list[list[int]], max_tokens: int) -> int:
     """Completion tokens of all the streams, run at once."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(batch_prompts), max_keepalive_connections=len(batch_prompts))
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as client:
-        counts = await asyncio.gather(*(_stream(client, p, max_tokens) for p in batch_prompts))
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    counts = await asyncio.gather(*(_stream(host, int(port), p, max_tokens) for p in batch_prompts))
     return sum(counts)
 
 
-async def _stream(client, prompt: list[int], max_tokens: int) -> int:
-    import json
-
-    body = {"model": "random-qwen3-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {") and '"completion_tokens"' in line:
-                usage = json.loads(line[6:]).get("usage")
-                if usage:
-                    tokens = usage["completion_tokens"]
-    return tokens
+async def _stream(host: str, port: int, prompt: list[int], max_tokens: int) -> int:
+    """One streamed completion's tokens, from its usage chunk (RuntimeError unless a 200 that ends
+    with [DONE])."""
+    body = json.dumps({"model": "random-qwen3-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
+    await writer.drain()
+    response = await reader.read()  # until the server closes the connection
+    writer.close()
+    head, _, events = response.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200") or b"data: [DONE]" not in events:
+        raise RuntimeError(f"a stream failed: {response[:300]!r}")
+    usage = events.rfind(b'"completion_tokens": ')
+    return int(events[usage + 21:].split(b",", 1)[0])
 
 
 def _free_port() -> int:

@@ -255,7 +255,7 @@ class WindowedRun(EngineRun):
         wrong = {p for p in self.position.values() if p != self.workload.max_tokens}
         if wrong:
             raise RuntimeError(f"{self.name}: expected {self.workload.max_tokens} tokens per request, got {wrong}")
-        if self.engine.block_manager.num_free_blocks != self.engine.block_manager.num_usable_blocks:
+        if self.engine.core.block_manager.num_free_blocks != self.engine.core.block_manager.num_usable_blocks:
             raise RuntimeError(f"{self.name}: KV blocks leaked after the run")
         windows = [[s for s in self.steps if s.window == k] for k in range(self.workload.num_windows)]
 

@@ -58,13 +58,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from zipage_jax.bench.common import add_output_arguments, emit, git_commit, log, usage_error
 from zipage_jax.bench.startup_goals import evaluate_goals
 from zipage_jax.bench.startup_metrics import median_fields
 from zipage_jax.bench.startup_server import ServerProbe
+from zipage_jax.bench.trees import Tree, add_worktree, remove_worktree
 from zipage_jax.models import random_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,13 +116,6 @@ def server_flags(options: dict) -> list[str]:
         elif value is not None:
             flags += [flag, str(value)]
     return flags
-
-
-@dataclass
-class Tree:
-    name: str  # "current" or "baseline"
-    root: Path
-    commit: str
 
 
 def _tail(path: Path, chars: int = 3000) -> str:
@@ -464,23 +457,6 @@ def snapshot_tree(path: Path, commit: str) -> Tree:
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, path / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return Tree("current", path, commit)
-
-
-def add_worktree(commit: str, path: Path) -> Tree:
-    resolved = subprocess.run(["git", "rev-parse", "--verify", f"{commit}^{{commit}}"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=60)
-    if resolved.returncode:
-        raise SystemExit(f"--baseline {commit}: not a commit of {ROOT}: {resolved.stderr.strip()}")
-    full = resolved.stdout.strip()
-    subprocess.run(["git", "worktree", "add", "--detach", str(path), full], cwd=ROOT, check=True, capture_output=True,
-                   timeout=300)
-    return Tree("baseline", path, full)
-
-
-def remove_worktree(path: Path) -> None:
-    subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, capture_output=True, timeout=300)
-    shutil.rmtree(path, ignore_errors=True)
-    subprocess.run(["git", "worktree", "prune"], cwd=ROOT, capture_output=True, timeout=60)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -159,7 +159,7 @@ def _work_first_token(spec: dict) -> dict:
     stamps["imported"] = time.time()
     llm = LLM(spec["model"], **spec["options"])
     stamps["engine_ready"] = time.time()
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     at_first, texts, tokens = None, [], 0
     for out in llm.stream(spec["prompt"], SamplingParams(temperature=0, max_tokens=spec["max_tokens"])):
         for o in out.outputs:
@@ -184,8 +184,8 @@ def _work_warmup(spec: dict) -> dict:
     status = getattr(engine, "warmup_status", None)
     if status is not None:
         status = {k: getattr(status, k) for k in ("total", "ready", "serving_ready", "done", "seconds", "failed")}
-    return {"stamps": stamps, "warmup_status": status, "grid_programs": len(engine.runner.step_grid()),
-            "programs": program_summary(engine.runner), "zipage_jax": _package_file()}
+    return {"stamps": stamps, "warmup_status": status, "grid_programs": len(engine.core.runner.step_grid()),
+            "programs": program_summary(engine.core.runner), "zipage_jax": _package_file()}
 
 
 def _grid_entry(program) -> tuple[str, tuple, object]:
@@ -249,9 +249,9 @@ def _work_qwen3(spec: dict) -> dict:
     from zipage_jax.models.loading import LoadedModel
 
     try:
-        from zipage_jax.engine.runner.model_runner import ModelRunner
+        from zipage_jax.engine.core.runner.model_runner import ModelRunner
     except ModuleNotFoundError:  # a tree from before engine/runner/ became a package (the default baseline)
-        from zipage_jax.engine.runner import ModelRunner
+        from zipage_jax.engine.core.runner import ModelRunner
 
     stamps["imported"] = time.time()
     fields = dict(spec["model_config"], eos_token_ids=tuple(spec["model_config"]["eos_token_ids"]), rope_scaling=None)

@@ -41,7 +41,7 @@ class EngineRun:
         import jax
 
         start = time.perf_counter()
-        jax.block_until_ready(self.engine.runner.state)
+        jax.block_until_ready(self.engine.core.runner.state)
         return time.perf_counter() - start
 
 

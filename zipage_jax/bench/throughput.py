@@ -93,7 +93,7 @@ class TimedRun(EngineRun):
         super().__init__(name, engine)
         self.max_tokens, self.ignore_eos = max_tokens, ignore_eos
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-        self.ids = [engine.add_request(p, params) for p in prompts]
+        self.ids = [engine.add_request(p, params, stream=False) for p in prompts]
         self.finished: dict[str, dict] = {}
         self.running: list[int] = []
         self.seconds = 0.0
@@ -101,7 +101,7 @@ class TimedRun(EngineRun):
         self.compress_compile_seconds = 0.0
 
     def step(self) -> None:
-        runner = self.engine.runner
+        runner = self.engine.core.runner
         before, before_compress = runner.compile_seconds, runner.compressor.seconds
         start = time.perf_counter()
         outputs = self.engine.step()
@@ -130,9 +130,9 @@ class TimedRun(EngineRun):
 def summarize(run: TimedRun, warm: dict) -> dict:
     engine, results = run.engine, run.results()
     stats = engine.get_stats()
-    if engine.block_manager.num_free_blocks != engine.block_manager.num_usable_blocks:
+    if engine.core.block_manager.num_free_blocks != engine.core.block_manager.num_usable_blocks:
         raise RuntimeError(f"{run.name}: KV blocks leaked after the run")
-    compress_seconds = max(0.0, engine.runner.compress_seconds - run.compress_compile_seconds)
+    compress_seconds = max(0.0, engine.core.runner.compress_seconds - run.compress_compile_seconds)
     output_tokens = sum(len(r["token_ids"]) for r in results)
     config = engine.config
     compressed = config.max_cache_blocks_per_seq is not None
@@ -156,8 +156,8 @@ def summarize(run: TimedRun, warm: dict) -> dict:
         "query_slots": stats.num_query_slots if compressed else None,
         "kv_cache_dtype": config.kv_cache_dtype,
         "pool_blocks": config.num_kvcache_blocks,
-        "block_bytes": engine.pool.block_bytes,
-        "pool_bytes": (config.num_kvcache_blocks - 1) * engine.pool.block_bytes,
+        "block_bytes": engine.core.pool.block_bytes,
+        "pool_bytes": (config.num_kvcache_blocks - 1) * engine.core.pool.block_bytes,
     }
 
 

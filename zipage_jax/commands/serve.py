@@ -3,7 +3,10 @@
     zipage-jax serve --model default --port 8000 --kvcache-block-size 32 --max-cache-blocks-per-seq 8
 
 Every EngineConfig and ServerConfig field is a flag (--max-num-seqs, --num-kvcache-blocks,
---port, ...), its help the field's documentation. The server answers at once; /health is 503
+--port, ...), its help the field's documentation. The engine core (scheduling and the device)
+runs in a process of its own, this one keeps HTTP, tokenization and output processing
+(server/process_client.py); with --data-parallel-size or --num-processes the core's front stays
+in this process (its replicas or its group are processes of their own). The server answers at once; /health is 503
 until the model has loaded and the largest compiled program of each kind is built, then 200:
 the server warms up in the background (the other programs build behind those) unless
 --no-warmup, with which steps compile what they need on first use. Exits
@@ -51,12 +54,13 @@ from zipage_jax.cli_options import (
     start_distributed,
 )
 from zipage_jax.config import EngineConfig
-from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.engine.core import EngineCore
 from zipage_jax.engine.runner.step_relay import EXIT_STATUS, LeaderRelay, exit_now, follow, relay_address
 from zipage_jax.server import create_app
 from zipage_jax.server.auth import api_key_from
 from zipage_jax.server.config import ServerConfig, server_option_fields
-from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
+from zipage_jax.server.engine_client import EngineClient, InProcessEngineClient, RequestFailed
+from zipage_jax.server.process_client import MultiProcessEngineClient
 
 logger = logging.getLogger("zipage_jax")
 
@@ -86,30 +90,36 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     def peer_lost(reason: str) -> None:  # the relay's watchdog: another process of the group is gone
-        app.state.engine_loop.fail_requests(RequestFailed(reason))
+        client.fail_requests(RequestFailed(reason))
         server.should_exit = True
 
     relay: LeaderRelay | None = None
     cluster = None  # data-parallel serving's Ray
 
-    def engine() -> LLMEngine:
-        built = LLMEngine(**options)
+    def core() -> EngineCore:
+        built = EngineCore(**options)
         if relay is not None:
             relay.attach(built.runner)  # the other processes have built theirs
         return built
 
     try:  # bad flags fail here, before binding the port
-        EngineConfig.from_options(**options)
+        engine_config = EngineConfig.from_options(**options)
         config = ServerConfig.from_options(**{field.name: getattr(args, field.name)
                                               for field, _ in server_option_fields()})
         if config.data_parallel_size != 1:
-            engine, cluster = _replicated(config, options, args)
-        app = create_app(engine, config.served_model_name or [options["model"]],
+            factory, cluster = _replicated(config, options, args)
+            client: EngineClient = InProcessEngineClient(factory)
+        elif (args.num_processes or 1) > 1:  # process 0 of a group: the core relays its calls from here
+            client = InProcessEngineClient(core)
+        else:
+            client = MultiProcessEngineClient(engine_config, log_level=config.log_level)
+        app = create_app(client, config.served_model_name or [options["model"]],
                          stop, max_n=config.max_n, max_request_bytes=config.max_request_bytes, limits=config.limits,
                          on_engine_error=stop, max_queued_requests=config.max_queued_requests,
                          api_key=api_key_from(config.api_key, os.environ), warmup=warmup,
                          enable_auto_tool_choice=config.enable_auto_tool_choice,
-                         tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser)
+                         tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
+                         stream_interval=config.stream_interval)
         address = relay_address(args.coordinator_address, args.relay_port) if (args.num_processes or 1) > 1 else None
         if address is not None and not args.process_id:  # process 0 listens before the group forms
             relay = LeaderRelay(*address, args.num_processes - 1, on_lost=peer_lost)
@@ -122,18 +132,18 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.process_id:
         return _follow(options, address, args.process_id, warmup)
-    served = app if relay is None else _on_shutdown(app, lambda: _stop_group(relay, app.state.engine_loop))
+    served = app if relay is None else _on_shutdown(app, lambda: _stop_group(relay, client))
     server = uvicorn.Server(uvicorn.Config(served, host=config.host, port=config.port, log_level=config.log_level))
     try:
         server.run()
     finally:
         if cluster is not None:
             cluster.stop()
-    return 1 if _failed(app.state.engine_loop) else 0
+    return 1 if _failed(client) else 0
 
 
-def _failed(engine_loop: EngineLoop) -> bool:
-    return engine_loop.load_error is not None or engine_loop.engine_error is not None
+def _failed(client: EngineClient) -> bool:
+    return client.load_error is not None or client.engine_error is not None
 
 
 def _on_shutdown(app: ASGIApp, shutdown: Callable[[], None]) -> ASGIApp:
@@ -153,10 +163,10 @@ def _on_shutdown(app: ASGIApp, shutdown: Callable[[], None]) -> ASGIApp:
     return wrapped
 
 
-def _stop_group(relay: LeaderRelay, engine_loop: EngineLoop) -> None:
+def _stop_group(relay: LeaderRelay, client: EngineClient) -> None:
     """Process 0's server has shut down: after a clean stop the other processes stop too (status 0);
     after a failure this one exits at once (status 1) and they see its connection close."""
-    if relay.lost is not None or _failed(engine_loop):
+    if relay.lost is not None or _failed(client):
         exit_now()
     relay.close()
     # They leave the jax.distributed group as they exit: this process leaves with them now, before
@@ -169,7 +179,7 @@ def _follow(options: dict, address: tuple[str, int], process_id: int, warmup: bo
     """Process 1 .. N-1: builds the engine as process 0 does and replays its device calls until it
     stops (0); exits at once (status 1) when process 0 is gone or a call failed."""
     try:
-        status = follow(LLMEngine(**options).runner, address, process_id, warmup)
+        status = follow(EngineCore(**options).runner, address, process_id, warmup)
     except Exception:  # noqa: BLE001 - the group cannot serve without this process
         logger.exception("process %d cannot follow process 0", process_id)
         status = EXIT_STATUS

@@ -23,8 +23,12 @@ def advance_quote_end(prompt: Sequence[int], answer: Sequence[int], quote_end: i
     answer's tail is not a stretch of the prompt there."""
     if len(answer) < n or len(prompt) < n:
         return quote_end
-    tail = np.asarray(answer[-n:])
-    windows = np.lib.stride_tricks.sliding_window_view(np.asarray(prompt), n)  # [len(prompt) - n + 1, n]
-    ends = np.nonzero((windows == tail).all(axis=1))[0] + n
-    later = ends[ends >= quote_end]
-    return int(later[0]) if len(later) else quote_end
+    # a byte search over the ids as int64 (a match must start at a whole id): no Python per token
+    haystack = np.asarray(prompt, np.int64).tobytes()
+    needle = np.asarray(answer[-n:], np.int64).tobytes()
+    at = max(0, quote_end - n) * 8  # a match that ends at or after quote_end starts here or later
+    while (at := haystack.find(needle, at)) >= 0:
+        if at % 8 == 0:
+            return at // 8 + n
+        at += 1
+    return quote_end

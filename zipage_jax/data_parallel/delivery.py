@@ -1,81 +1,61 @@
-"""Delivery: what the server has been sent of one request, so that the request can run again on
+"""Delivery: what the front has handed on of one request, so that the request can run again on
 another replica (its replica died) without the client seeing anything twice.
 
-A request that runs again computes its tokens again. While the new run's tokens and text repeat
-what was delivered they are held back; from where the delivery stopped on, they go out as
-usual. This holds only for a request whose tokens are the same in every run (greedy, or
-seeded): a run that departs from what was delivered raises Diverged.
+Per sequence (by completion index) it keeps the token ids handed on. A request that runs again
+computes its tokens again: the new run's first tokens, as many as were handed on, are held back
+(they must be the same tokens); from there on they go out as usual. The prompt's
+log-probabilities are held back alike, by prompt position. This holds only for a request whose
+tokens are the same in every run (greedy, or seeded): a run that departs from what was handed
+on, or ends before it has caught up with it, raises Diverged.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-
-from zipage_jax.engine.outputs import CompletionOutput, RequestOutput
+from collections.abc import Sequence
 
 
 class Diverged(Exception):
-    """A run of the request produced other tokens or text than those already delivered."""
-
-
-@dataclass
-class _Completion:
-    token_ids: list[int] = field(default_factory=list)  # delivered
-    text: list[str] = field(default_factory=list)  # delivered, in pieces
-    finished: bool = False  # its finish was delivered
-    run_tokens: int = 0  # tokens of the current run so far
-    run_chars: int = 0  # text of the current run so far
-    replay_text: str = ""  # the text delivered before the current run started
+    """A run of the request produced other tokens than those already handed on."""
 
 
 class Delivery:
-    def __init__(self) -> None:
-        self._completions: dict[int, _Completion] = {}
+    def __init__(self, n: int):
+        """A request of `n` sequences."""
+        self._delivered: list[list[int]] = [[] for _ in range(n)]  # token ids handed on, by completion index
+        self._run = [0] * n  # tokens of the current run so far
+        self._prompt_logprobs = 0  # prompt positions [0, this) had their log-probabilities handed on
 
     @property
     def started(self) -> bool:
-        """Some token or text was delivered."""
-        return any(c.token_ids or any(c.text) for c in self._completions.values())
+        """Some token was handed on."""
+        return any(self._delivered)
 
     def restart(self) -> None:
         """The request runs again from its prompt."""
-        for c in self._completions.values():
-            c.replay_text = "".join(c.text)
-            c.text = [c.replay_text]
-            c.run_tokens = c.run_chars = 0
+        self._run = [0] * len(self._run)
 
-    def admit(self, output: RequestOutput) -> RequestOutput | None:
-        """What of the current run's `output` is new to the server (None: nothing); Diverged if
-        it contradicts what was delivered."""
-        completions = [self._admit(o) for o in output.outputs]
-        news = [new for new, _ in completions]
-        if not output.finished and output.prompt_logprobs is None and not any(news):
-            return None
-        shown = [o for _, o in completions]
-        if all(a is b for a, b in zip(shown, output.outputs)):
-            return output
-        return dataclasses.replace(output, outputs=shown)
+    def admit(self, index: int, token_ids: Sequence[int]) -> int:
+        """The current run's next tokens of completion `index`: how many of them, from the first,
+        were handed on before (to hold back); the others count as handed on from now.
+        Diverged if they depart from what was handed on."""
+        delivered, run = self._delivered[index], self._run[index]
+        token_ids = list(token_ids)
+        seen = delivered[run:run + len(token_ids)]
+        if token_ids[:len(seen)] != seen:
+            raise Diverged(f"completion {index} departs from the tokens delivered before its replica was lost")
+        self._run[index] = run + len(token_ids)
+        delivered.extend(token_ids[len(seen):])
+        return len(seen)
 
-    def _admit(self, o: CompletionOutput) -> tuple[bool, CompletionOutput]:
-        c = self._completions.setdefault(o.index, _Completion())
-        ids, text = o.delta_token_ids, o.delta_text
-        seen_ids = c.token_ids[c.run_tokens:c.run_tokens + len(ids)]
-        seen_text = c.replay_text[c.run_chars:c.run_chars + len(text)]
-        if ids[:len(seen_ids)] != seen_ids or text[:len(seen_text)] != seen_text:
-            raise Diverged(f"completion {o.index} departs from the tokens delivered before its replica was lost")
-        c.run_tokens += len(ids)
-        c.run_chars += len(text)
-        if o.finished and c.run_tokens < len(c.token_ids):
-            raise Diverged(f"completion {o.index} ended before the tokens delivered before its replica was lost")
-        new_ids, new_text = ids[len(seen_ids):], text[len(seen_text):]
-        c.token_ids += new_ids
-        if new_text:
-            c.text.append(new_text)
-        newly_finished = o.finished and not c.finished
-        c.finished = c.finished or o.finished
-        if len(new_ids) == len(ids) and len(new_text) == len(text):
-            return bool(ids or text or newly_finished), o
-        logprobs = None if o.delta_logprobs is None else o.delta_logprobs[len(ids) - len(new_ids):]
-        shown = dataclasses.replace(o, delta_token_ids=new_ids, delta_text=new_text, delta_logprobs=logprobs)
-        return bool(new_ids or new_text or newly_finished), shown
+    def finish(self, index: int) -> None:
+        """The current run ended completion `index`: Diverged if it had not yet produced every
+        token handed on."""
+        if self._run[index] < len(self._delivered[index]):
+            raise Diverged(f"completion {index} ended before the tokens delivered before its replica was lost")
+
+    def admit_prompt_logprobs(self, first: int, count: int) -> int:
+        """Log-probabilities of prompt positions [first, first + count) arrived: how many of them,
+        from the first, were handed on before (to hold back)."""
+        held = max(0, min(count, self._prompt_logprobs - first))
+        self._prompt_logprobs = max(self._prompt_logprobs, first + count)
+        return held

@@ -1,50 +1,55 @@
-"""EngineReplica: one LLMEngine in its own process (a Ray actor: ReplicatedEngine makes it one),
-stepped by its own thread.
+"""EngineReplica: one engine core in its own process (a Ray actor: ReplicatedEngine makes it one),
+driven by the shared EngineDriver (engine/driver.py) on a thread of that process.
 
-Calls come in on the actor's threads: `add` (waits until the stepping thread has admitted the
-request, raising its ValueError), `abort`, `poll` (the outputs since the last poll, with the
-engine's latest stats), `ping`, `start_warmup` / `stop_warmup`. The stepping thread runs them
-between steps, as the server's EngineLoop does. A step that raises fails the requests in
-flight here (their outputs carry the error); an engine that failed for good, or a stepping thread
-that failed, ends the process, so that Ray restarts the replica with a fresh engine.
+Calls come in on the actor's threads and become the driver's commands: `add` (waits until the
+driver has admitted the request: its AdmittedRequest, or the core's ValueError), `abort`,
+`finish_sequences`, `output_lag`, `start_warmup`, `stop`. What the driver publishes waits for
+the next `poll`: the requests admitted, each step's EngineCoreOutputs under the replica's step
+number, the requests a failed step ended, and the latest stats and warm-up status. The failure
+policy is the driver's; a core that failed for good (its Fatal event) ends the process, so that
+Ray restarts the replica with a fresh engine.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import os
-import queue
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from zipage_jax.config import EngineConfig
-from zipage_jax.engine.llm_engine import LLMEngine
-from zipage_jax.engine.outputs import RequestOutput
-from zipage_jax.engine.runner.warmup import WarmupStatus
-from zipage_jax.engine.stats import EngineStats
+from zipage_jax.engine import driver
+from zipage_jax.engine.core import AdmittedRequest, EngineCore, ModelInfo
+from zipage_jax.engine.stats import EngineStats, WarmupStatus
 from zipage_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger("zipage_jax.data_parallel")
 
-_IDLE_S = 0.5  # an idle stepping thread refreshes its stats this often (a warm-up's progress shows)
-_FAILURE_BACKOFF_S = 0.05  # after a failed step, so a persistently broken engine does not spin
+_WARMUP_START_S = 60.0  # start_warmup waits this long at most for the driver to start it
+
+@dataclass
+class Admitted:
+    """The driver admitted this request under these seq ids (this incarnation's own)."""
+
+    request_id: str
+    seq_ids: list[int]
+
+
+# what a poll brings, in the order the driver published it
+ReplicaEvent = Admitted | driver.Outputs | driver.StepFailed
 
 
 @dataclass
 class ReplicaInfo:
-    """What the front needs of a replica's engine, once: its tokenizer (a copy travels), limits
-    and the prefix cache's geometry."""
+    """What the front needs of a replica's engine, once: its tokenizer (a copy travels) and its model."""
 
     tokenizer: Any
-    max_model_len: int
-    block_size: int
-    num_kv_blocks: int
-    enable_prefix_caching: bool
+    model_info: ModelInfo
     pid: int
     incarnation: str  # new each time the process starts
 
@@ -58,145 +63,101 @@ class ReplicaStatus:
 
 @dataclass
 class ReplicaPoll:
-    outputs: list[RequestOutput]
+    # Admitted, Outputs (under this incarnation's step numbers), StepFailed
+    events: list[ReplicaEvent]
     stats: EngineStats
     warmup: WarmupStatus | None
-
-
-@dataclass
-class _Add:
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    request_id: str
-    done: concurrent.futures.Future
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-_START_WARMUP = object()
+    incarnation: str
 
 
 class EngineReplica:
     def __init__(self, config: EngineConfig):
-        """The engine of `config` (it loads its model here)."""
-        self.engine = LLMEngine(config)
+        """The engine core of `config` (it loads its model here), its driver started."""
+        self.core = EngineCore(config)
         self.incarnation = uuid.uuid4().hex
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox: list[RequestOutput] = []
-        self._published = threading.Condition()
-        self._requests: set[str] = set()  # stepping thread only
-        self._stats = dataclasses.replace(self.engine.get_stats())
-        self._warmup = None
-        threading.Thread(target=self._run, name="zipage-replica", daemon=True).start()
+        self._published = threading.Condition()  # _events, _stats, _warmup, _adds
+        self._events: list[ReplicaEvent] = []
+        self._stats = dataclasses.replace(self.core.get_stats())
+        self._warmup: WarmupStatus | None = None
+        self._adds: dict[int, concurrent.futures.Future] = {}
+        self._tokens = itertools.count()
+        self._stopped = False
+        self.driver = driver.EngineDriver(self.core, self._publish)
+        self.driver.start_thread("zipage-replica")
 
     # -- the actor's methods (any thread) ------------------------------------------------------
 
     def info(self) -> ReplicaInfo:
-        engine = self.engine
-        return ReplicaInfo(engine.tokenizer, engine.max_model_len, engine.pool.block_size,
-                           engine.pool.num_usable_blocks, engine.config.enable_prefix_caching, os.getpid(),
-                           self.incarnation)
+        return ReplicaInfo(self.core.tokenizer, self.core.model_info, os.getpid(), self.incarnation)
 
     def ping(self) -> ReplicaStatus:
-        return ReplicaStatus(os.getpid(), self.incarnation, self.engine.warmup_status)
+        return ReplicaStatus(os.getpid(), self.incarnation, self.core.warmup_status)
 
-    def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> None:
-        """Admits the request (between two steps); raises the engine's ValueError for bad input."""
-        done = concurrent.futures.Future()
-        self._commands.put(_Add(prompt_token_ids, params, request_id, done))
-        done.result()
+    def add(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> AdmittedRequest:
+        """Admits the request (between two steps); raises the core's ValueError for bad input."""
+        if self._stopped:
+            raise RuntimeError("the replica has stopped")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        token = next(self._tokens)
+        with self._published:
+            self._adds[token] = done
+        self.driver.submit(driver.Add(token, [(prompt, params, request_id)]))
+        return done.result()[0]
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self.driver.submit(driver.Abort(request_id))
+
+    def finish_sequences(self, seq_ids: list[int], incarnation: str | None = None) -> None:
+        """The front matched a stop string in these sequences: they end where they are. Seq ids
+        are an incarnation's own: a call meant for another `incarnation` is ignored."""
+        if incarnation in (None, self.incarnation):
+            self.driver.submit(driver.FinishSequences(list(seq_ids)))
+
+    def output_lag(self, steps_processed: int, incarnation: str | None = None) -> None:
+        """The front has processed the outputs of this replica's steps 1 .. `steps_processed` (of
+        `incarnation`: a call meant for another one is ignored)."""
+        if incarnation in (None, self.incarnation):
+            self.driver.submit(driver.OutputLag(steps_processed))
 
     def poll(self, timeout: float) -> ReplicaPoll:
-        """The outputs produced since the last poll, waiting up to `timeout` seconds for one."""
+        """What the driver published since the last poll, waiting up to `timeout` seconds for an event."""
         with self._published:
-            self._published.wait_for(lambda: self._outbox, timeout)
-            outputs, self._outbox = self._outbox, []
-            return ReplicaPoll(outputs, self._stats, self.engine.warmup_status)
+            self._published.wait_for(lambda: self._events, timeout)
+            events, self._events = self._events, []
+            return ReplicaPoll(events, self._stats, self._warmup, self.incarnation)
 
     def start_warmup(self) -> None:
         """Starts the engine's background warm-up (once); returns when it has started."""
-        done = concurrent.futures.Future()
-        self._commands.put((_START_WARMUP, done))
-        done.result()
-
-    def stop_warmup(self) -> None:
-        warmup = self._warmup
-        if warmup is not None:
-            warmup.stop()
-
-    # -- the stepping thread ---------------------------------------------------------------------
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                self._run_commands(block=not engine.has_unfinished_requests())
-                outputs = self._step() if engine.has_unfinished_requests() else []
-                self._publish(outputs, dataclasses.replace(engine.get_stats()))
-        except BaseException:  # a replica that no longer steps would hold its requests forever
-            logger.exception("the replica's stepping thread failed: ending its process (Ray restarts it)")
-            os._exit(1)
-
-    def _run_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=_IDLE_S) if block else self._commands.get_nowait()
-            while True:
-                if isinstance(command, _Add):
-                    self._add(command)
-                elif isinstance(command, _Abort):
-                    self._requests.discard(command.request_id)
-                    self.engine.abort(command.request_id)
-                else:
-                    _, done = command
-                    if self._warmup is None:
-                        self._warmup = self.engine.start_warmup()
-                    done.set_result(None)
-                command = self._commands.get_nowait()
-        except queue.Empty:
-            return
-
-    def _add(self, command: _Add) -> None:
-        try:
-            self.engine.add_request(command.prompt_token_ids, command.params, command.request_id)
-        except Exception as exc:  # ValueError: bad input (a 400); anything else fails this request only
-            if not isinstance(exc, ValueError):
-                logger.exception("add_request %s failed", command.request_id)
-            command.done.set_exception(exc)
-            return
-        self._requests.add(command.request_id)
-        command.done.set_result(None)
-
-    def _step(self) -> list[RequestOutput]:
-        try:
-            outputs = self.engine.step()
-        except Exception:
-            if self.engine.failed is not None:
-                logger.exception("the engine failed and cannot serve: ending this replica's process (Ray restarts "
-                                 "it with a fresh engine)")
-                os._exit(1)
-            logger.exception("engine step failed; failing the requests in flight: %s", ", ".join(self._requests))
-            outputs = [RequestOutput(request_id, None, [], [], finished=True, error="engine step failed")
-                       for request_id in self._requests]
-            for request_id in self._requests:
-                self.engine.abort(request_id)
-            time.sleep(_FAILURE_BACKOFF_S)
-        for out in outputs:
-            if out.error is not None:
-                self.engine.abort(out.request_id)  # frees it if the engine still holds it
-            if out.finished or out.error is not None:
-                self._requests.discard(out.request_id)
-        return outputs
-
-    def _publish(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
-        """The outputs for the next poll, with the stats taken after them."""
+        self.driver.submit(driver.StartWarmup())
         with self._published:
-            self._stats = stats
-            if outputs:
-                self._outbox.extend(outputs)
-                self._published.notify_all()
+            self._published.wait_for(lambda: self._warmup is not None, _WARMUP_START_S)
+
+    def stop(self) -> None:
+        """Stops the warm-up (the programs being built finish, no other starts) and the driver."""
+        self._stopped = True
+        self.driver.stop()
+
+    # -- the driver's thread ---------------------------------------------------------------------
+
+    def _publish(self, event: driver.Event) -> None:
+        if isinstance(event, driver.Fatal):
+            logger.error("%s: ending this replica's process (Ray restarts it with a fresh engine)", event.message)
+            os._exit(1)
+        with self._published:
+            if isinstance(event, driver.Added):
+                done = self._adds.pop(event.token)
+                if event.error is not None:
+                    done.set_exception(event.error)
+                    return
+                done.set_result(event.admitted)
+                self._events += [Admitted(a.request_id, a.seq_ids) for a in event.admitted]
+            elif isinstance(event, driver.Outputs):
+                outputs = event.outputs
+                if outputs.failures:  # the exceptions stay here (logged by the core): only their messages travel
+                    outputs = dataclasses.replace(outputs, failures=[(r, m, None) for r, m, _ in outputs.failures])
+                self._events.append(driver.Outputs(event.step, outputs))
+            elif isinstance(event, driver.StepFailed):
+                self._events.append(event)
+            elif isinstance(event, driver.Stats):
+                self._stats, self._warmup = event.stats, event.warmup
+            self._published.notify_all()

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 import uuid
 from collections.abc import Container
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,9 +21,7 @@ from zipage_jax.config import EngineConfig
 from zipage_jax.engine.grammar import GrammarCompiler
 from zipage_jax.engine.pool_plan import KVPoolPlan
 from zipage_jax.engine.prompt_compaction import PromptCompaction
-from zipage_jax.engine.request import Request
 from zipage_jax.engine.sequence import Sequence
-from zipage_jax.engine.stop_checker import StopChecker
 from zipage_jax.sampling_params import SamplingParams, check_text
 
 
@@ -39,13 +37,28 @@ def check_prompt_length(prompt_len: int, limit: int, *, at_least: bool = False, 
     return limit - prompt_len
 
 
+@dataclass
+class CoreRequest:
+    """One request as the engine core holds it while it runs: its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
 class Admission:
     def __init__(self, config: EngineConfig, pool: KVPoolPlan, tokenizer, vocab_size: int,
-                 eos_token_ids: tuple[int, ...], special_ids: frozenset[int]):
+                 eos_token_ids: tuple[int, ...]):
         self.config, self.pool, self.tokenizer = config, pool, tokenizer
         self.vocab = min(vocab_size, len(tokenizer))  # ids the model has a row for and the tokenizer a token for
         self.model_vocab_size = vocab_size
-        self.eos_token_ids, self.special_ids = eos_token_ids, special_ids
+        self.eos_token_ids = eos_token_ids
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.prompt = PromptCompaction.of(pool.block_size, config.max_num_batched_tokens, config.prompt_window,
                                           config.row_size)
@@ -53,7 +66,7 @@ class Admission:
         self._ids = itertools.count()
 
     def admit(self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
-              in_use: Container[str]) -> Request:
+              in_use: Container[str]) -> CoreRequest:
         """The request, ready to schedule; ValueError for anything this engine cannot run.
 
         Beyond SamplingParams' own bounds: token ids (prompt, stop_token_ids, forced_token_ids)
@@ -80,11 +93,8 @@ class Admission:
                            seed=self._seed(params, i), query_cache_len=self.config.query_cache_len,
                            max_len=min(len(token_ids) + params.max_tokens, limit),
                            computes_prompt_logprobs=params.prompt_logprobs is not None and not seqs)
-            seq.metrics.arrival_time = time.monotonic()
             seqs.append(seq)
-        checkers = [StopChecker(self.tokenizer, params, self.eos_token_ids, token_ids, self.special_ids)
-                    for _ in seqs]
-        return Request(request_id, text, list(token_ids), params, seqs, checkers)
+        return CoreRequest(request_id, text, list(token_ids), params, seqs)
 
     def budget(self, params: SamplingParams, prompt_len: int = 1) -> KVBudget | None:
         """The request's compression plan: its policy (the request's or the engine's), that

@@ -73,12 +73,7 @@ class BlockManager:
     # -- allocation -------------------------------------------------------------------------
 
     def _take_free(self) -> int:
-        block_id = self.free_block_ids.popleft()
-        block = self.blocks[block_id]
-        assert block.ref_count == 0
-        self._forget_hash(block)
-        block.ref_count = 1
-        return block_id
+        return self.take_free_blocks(1)[0]
 
     def _forget_hash(self, block: Block) -> None:
         if block.hash is not None and self.hash_to_block_id.get(block.hash) == block.block_id:
@@ -95,11 +90,12 @@ class BlockManager:
     def match_prefix(self, seq: Sequence, max_blocks: int | None = None) -> int:
         """Admission: share the cached full blocks of the sequence's tokens, at most `max_blocks`
         (at least one token is always left to compute). Returns the number of cached tokens."""
-        assert not seq.block_table
+        assert not seq.num_blocks
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
         prefix = None
+        table = []
         for i in range(min((len(seq) - 1) // bs, len(seq) if max_blocks is None else max_blocks)):
             tokens = tuple(seq.block_tokens(i))
             h = chain_hash(tokens, prefix)
@@ -110,10 +106,11 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids.remove(block_id)
             block.ref_count += 1
-            seq.block_table.append(block_id)
+            table.append(block_id)
             prefix = h
-        seq.num_hashed_blocks = len(seq.block_table)
-        seq.num_computed_tokens = seq.num_kv_slots = len(seq.block_table) * bs
+        seq.block_table = table
+        seq.num_hashed_blocks = len(table)
+        seq.num_computed_tokens = seq.num_kv_slots = len(table) * bs
         return seq.num_computed_tokens
 
     def count_prefix_lookup(self, seq: Sequence, cached_tokens: int) -> None:
@@ -124,21 +121,22 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new_slots: int) -> int:
         total = -(-(seq.num_kv_slots + num_new_slots) // self.block_size)
-        return max(0, total - len(seq.block_table))
+        return max(0, total - seq.num_blocks)
 
     def allocate_slots(self, seq: Sequence, num_new_slots: int) -> bool:
         """Grow the block table to hold `num_new_slots` more slots. False if out of blocks."""
         need = self.blocks_needed(seq, num_new_slots)
         if need > self.num_free_blocks:
             return False
-        seq.block_table.extend(self._take_free() for _ in range(need))
-        seq.metrics.kv_blocks_peak = max(seq.metrics.kv_blocks_peak, len(seq.block_table))
+        if need:
+            seq.append_blocks([self._take_free() for _ in range(need)])
+            seq.metrics.kv_blocks_peak = max(seq.metrics.kv_blocks_peak, seq.num_blocks)
         return True
 
     def allocate_scratch(self, num_blocks: int) -> list[int]:
         """Blocks held outside any sequence's table for one step (a prompt tail's K/V); the caller
         checked that enough are free."""
-        return [self._take_free() for _ in range(num_blocks)]
+        return self.take_free_blocks(num_blocks)
 
     def free_scratch(self, block_ids: list[int]) -> None:
         for block_id in block_ids:
@@ -156,15 +154,52 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.compressed:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens, seq.num_known_tokens) // bs
-        full = min(full, len(seq.block_table))
-        for i in range(seq.num_hashed_blocks, full):
-            prefix = self.blocks[seq.block_table[i - 1]].hash if i else None
-            tokens = tuple(seq.block_tokens(i))
-            block = self.blocks[seq.block_table[i]]
-            block.hash, block.token_ids = chain_hash(tokens, prefix), tokens
-            self.hash_to_block_id[block.hash] = block.block_id
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+        full = min(min(seq.num_computed_tokens, seq.num_known_tokens) // bs, seq.num_blocks)
+        hashed = seq.num_hashed_blocks
+        if full > hashed:
+            self.hash_blocks(seq.block_table, seq.tokens(hashed * bs, full * bs), hashed, full)
+            seq.num_hashed_blocks = full
+
+    def hash_blocks(self, table, tokens, first: int, stop: int) -> None:
+        """Registers blocks [first, stop) of a sequence's `table` in the prefix cache, their hashes
+        chained on the blocks before (`chain_hash`); `tokens`: the token ids of exactly those blocks."""
+        bs, blocks, index = self.block_size, self.blocks, self.hash_to_block_id
+        prefix = blocks[int(table[first - 1])].hash if first else None
+        data = np.asarray(tokens, np.int64)
+        raw, ids, width = data.tobytes(), data.tolist(), bs * 8
+        for i in range(stop - first):
+            chunk = raw[i * width:(i + 1) * width]
+            prefix = xxhash.xxh64_intdigest(chunk if prefix is None else prefix.to_bytes(8, "little") + chunk)
+            block = blocks[int(table[first + i])]
+            block.hash, block.token_ids = prefix, tuple(ids[i * bs:(i + 1) * bs])
+            index[prefix] = block.block_id
+
+    def hash_next_blocks(self, tables: np.ndarray, index: np.ndarray, tokens: np.ndarray) -> None:
+        """`hash_blocks` of one block per sequence, block `index[i]` of table `tables[i]` holding
+        `tokens[i]` ([k, block size] int64), each following a registered block (or first)."""
+        blocks, registry = self.blocks, self.hash_to_block_id
+        rows = np.arange(len(index))
+        before = tables[rows, np.maximum(index - 1, 0)].tolist()
+        targets = tables[rows, index].tolist()
+        raw, ids, width = tokens.tobytes(), tokens.tolist(), tokens.shape[1] * 8
+        for i, (at, prev, block_id) in enumerate(zip(index.tolist(), before, targets)):
+            chunk = raw[i * width:(i + 1) * width]
+            h = xxhash.xxh64_intdigest(blocks[prev].hash.to_bytes(8, "little") + chunk if at else chunk)
+            block = blocks[block_id]
+            block.hash, block.token_ids = h, tuple(ids[i])
+            registry[h] = block_id
+
+    def take_free_blocks(self, num_blocks: int) -> list[int]:
+        """`num_blocks` blocks off the free list, each held once (the caller checked there are enough)."""
+        free, blocks = self.free_block_ids, self.blocks
+        taken = [free.popleft() for _ in range(num_blocks)]
+        for block_id in taken:
+            block = blocks[block_id]
+            assert block.ref_count == 0
+            if block.hash is not None:
+                self._forget_hash(block)
+            block.ref_count = 1
+        return taken
 
     # -- compression ------------------------------------------------------------------------
 
@@ -175,20 +210,22 @@ class BlockManager:
         shared ones are released. Reused own blocks lose their prefix hash. None when there
         are not enough free blocks for the replacements."""
         m = seq.budget_blocks
-        assert m is not None and len(seq.block_table) >= m + 1
-        keep = seq.block_table[: m + 1]
+        table = seq.block_table
+        assert m is not None and len(table) >= m + 1
+        keep = table[: m + 1]
         shared = [i for i, b in enumerate(keep) if self.blocks[b].ref_count > 1]
         if len(shared) > self.num_free_blocks:
             return None
         target = list(keep)
-        release = list(seq.block_table[m + 1:])
+        release = table[m + 1:]
         for i in shared:
             release.append(keep[i])
             target[i] = self._take_free()
-        for i, b in enumerate(target):
-            if i not in shared:
-                self._forget_hash(self.blocks[b])
-        return CompressionPlan(seq=seq, source_table=list(seq.block_table), target_table=target, release=release)
+        if not seq.compressed:  # a compressed sequence's blocks were never hashed
+            for i, b in enumerate(target):
+                if i not in shared:
+                    self._forget_hash(self.blocks[b])
+        return CompressionPlan(seq=seq, source_table=table, target_table=target, release=release)
 
     def finish_compression(self, plan: CompressionPlan) -> None:
         """After the compaction was dispatched: the sequence owns exactly its targets.

@@ -1,34 +1,49 @@
 """Continuous batching: which sequences compute which tokens this step.
 
-FCFS; running sequences first (decodes and prefill chunks), then admission from the waiting
-queue, all under `max_num_batched_tokens`. Prefill chunks are laid over rows of
-`prefill_row_size` tokens, and a step holds at most max_num_batched_tokens / prefill_row_size
-prefill rows, so the prefill step's shape stays within the compiled grid. A sequence at its KV
-budget is compressed instead of growing, in prefill too: while a sequence computes its prompt
-(after a recompute, every token it had) it compacts at the points of `PromptCompaction`
-(engine/prompt_compaction.py: bounded, within the budget and one chunk, each compaction scored
-by the prompt's tail; or deferred, once at the prompt's end); once past its prompt, whenever its
-M + 1 blocks are full. These points depend on the sequence alone, not on how its prompt was cut
-into chunks, so a request's output does not depend on the batch it ran in. Compressed sequences
-are suspended, never preempted. Preemption is by recompute, the victim being the most recently
-admitted sequence that may be preempted. A sequence whose last token is sampled (perhaps still
-on its way to the host) is not scheduled again.
+FCFS; running sequences first, then admission from the waiting queue, all under
+`max_num_batched_tokens`. Every running sequence that only decodes (past its prompt, with room
+in its blocks and a query slot if it needs one) is a *decode row*: these are picked by one mask
+over the running batch's arrays (engine/running_batch.py) and each takes one token. The other
+running sequences (computing a prompt, needing a block, a query slot or a compaction) are
+handled one by one, in admission order, with what the step has left. Prefill chunks are laid
+over rows of `prefill_row_size` tokens, and a step holds at most max_num_batched_tokens /
+prefill_row_size prefill rows, so the prefill step's shape stays within the compiled grid.
 
-What a step's output changes (`update_from_output`) happens here too, in one place: its tokens
-join their sequences, full blocks are committed to the prefix cache, and sequences that stop,
-reach their length or fail are finished and freed.
+A sequence at its KV budget is compressed instead of growing, in prefill too: while a sequence
+computes its prompt (after a recompute, every token it had) it compacts at the points of
+`PromptCompaction` (engine/prompt_compaction.py: bounded, within the budget and one chunk, each
+compaction scored by the prompt's tail; or deferred, once at the prompt's end); once past its
+prompt, whenever its M + 1 blocks are full. These points depend on the sequence alone, not on
+how its prompt was cut into chunks, so a request's output does not depend on the batch it ran
+in. Compressed sequences are suspended, never preempted. Preemption is by recompute, the victim
+being the most recently admitted sequence that may be preempted. A sequence whose last token is
+sampled (perhaps still on its way to the host) is not scheduled again. A sequence with stop
+strings decodes only while the output stage, which matches them, is at most `MAX_OUTPUT_LAG`
+steps behind (`output_lag`): it ends within that many steps, and the tokens of an asynchronous
+step, past its stop string.
+
+What a step changes (`update_from_output`) happens here too, in one place: compactions land,
+the chunks and decode rows dispatched are committed, the tokens read back join their sequences
+(by row, as arrays), full blocks are committed to the prefix cache, and sequences that stop,
+reach their length or fail are finished and freed. It returns what the engine hands back: token
+ids and finish reasons (engine/core_outputs.py).
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from zipage_jax.engine.block_manager import BlockManager, CompressionPlan
+from zipage_jax.engine.core_outputs import EngineCoreOutputs, FinishedSequence
 from zipage_jax.engine.prompt_compaction import PromptCompaction
-from zipage_jax.engine.runner.results import PromptLogprobsResult, RunnerOutput, StepResult
-from zipage_jax.engine.sequence import Sequence, SequenceStatus
+from zipage_jax.engine.runner.results import FetchedStep, RunnerOutput
+from zipage_jax.engine.running_batch import RunningBatch
+from zipage_jax.engine.sequence import PENDING, Sequence, SequenceStatus
+
+MAX_OUTPUT_LAG = 4  # steps the output stage may be behind a decoding sequence with stop strings
 
 
 @dataclass
@@ -51,20 +66,19 @@ class Chunk:
 @dataclass
 class SchedulerOutput:
     compressions: list[CompressionPlan] = field(default_factory=list)
-    chunks: list[Chunk] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)  # prefill chunks, and decodes that are not rows
+    decode_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # batch rows: one token each
     preempted: list[Sequence] = field(default_factory=list)
 
+    @property
+    def empty(self) -> bool:
+        return not (self.chunks or self.compressions or len(self.decode_rows))
 
-@dataclass
-class StepUpdate:
-    """What applying a step's output changed: the tokens that joined their sequences (with the
-    text each one's stop checker released), the prompt log-probabilities taken, the failures
-    (each finished its request's sequences) and every sequence finished, in order."""
-
-    tokens: list[tuple[Sequence, StepResult, str]] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprobsResult] = field(default_factory=list)
-    failures: list[tuple[Sequence, Exception]] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)
+    def all_chunks(self, batch: RunningBatch) -> list[Chunk]:
+        """Every chunk of the step, decode rows as one-token chunks after the others (for tests and
+        tools that look at a step as a whole; the engine reads the rows as arrays)."""
+        return self.chunks + [Chunk(batch.seqs[row], int(batch.num_computed_tokens[row]), 1)
+                              for row in self.decode_rows]
 
 
 class Slots:
@@ -123,7 +137,9 @@ class StepBudget:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_query_slots: int, max_compress_seqs: int, prefill_row_size: int = 1, prompt_window: int = 0):
+                 num_query_slots: int, max_compress_seqs: int, prefill_row_size: int = 1, prompt_window: int = 0,
+                 batch: RunningBatch | None = None):
+        """batch: the running sequences' rows (default: max_num_seqs rows, tables as wide as the pool)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -133,63 +149,167 @@ class Scheduler:
                                           prefill_row_size)
         self.chunk_blocks = self.prompt.chunk_blocks
         self.query_slots = Slots(num_query_slots, "query_slot")
-        self.state_slots = Slots(max_num_seqs, "state_slot")
+        self.batch = batch or RunningBatch(max_num_seqs, block_manager.num_usable_blocks, 1, ())
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.output_lag = 0  # steps the output stage is behind (held sequences: stop strings)
+        self._admitted = np.zeros(self.batch.num_rows, np.int64)  # admission order of each row's sequence
+        self._num_admitted = 0
+        self._rows: np.ndarray | None = None  # running rows in admission order (None: to be sorted again)
+
+    # -- the running set ----------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    @property
+    def running_rows(self) -> np.ndarray:
+        """Rows of the running sequences, in admission order."""
+        if self._rows is None:
+            rows = np.flatnonzero(self.batch.running)
+            self._rows = rows[np.argsort(self._admitted[rows], kind="stable")]
+        return self._rows
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The running sequences in admission order (a new list)."""
+        seqs = self.batch.seqs
+        return [seqs[row] for row in self.running_rows]
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting) or bool(self.batch.running.any())
 
     def num_at_budget(self) -> int:
-        return sum(1 for s in self.running if s.budget_blocks is not None
-                   and len(s.block_table) >= s.budget_blocks + 1)
+        b, rows = self.batch, self.running_rows
+        m = b.budget_blocks[rows]
+        return int(np.count_nonzero((m >= 0) & (b.num_blocks[rows] >= m + 1)))
+
+    def _start_running(self, seq: Sequence) -> None:
+        attached = self.batch.attach(seq)  # `_admit` checked that a row is free
+        assert attached
+        self._admitted[seq.row] = self._num_admitted
+        self._num_admitted += 1
+        self.batch.held[seq.row] = bool(seq.params is not None and seq.params.stop)
+        self._rows = None
+
+    def _stop_running(self, seq: Sequence, keep_row: bool = False) -> None:
+        """`keep_row`: a preempted sequence keeps its row until its tokens in flight arrive."""
+        if seq.row is not None:
+            if keep_row and seq.num_pending:
+                self.batch.running[seq.row] = False
+            else:
+                self.batch.detach(seq)
+        self._rows = None
+
+    # -- scheduling ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = StepBudget(self.max_num_batched_tokens, self.max_num_batched_tokens // self.prefill_row_size,
                             self.prefill_row_size)
         self._schedule_running(out, budget)
-        if out.preempted and not (out.chunks or out.compressions):
+        if out.preempted and out.empty:
             # a sequence that preempted itself freed what the others waited for (its query slot)
             self._schedule_running(out, budget)
         self._admit(out, budget)
         return out
 
+    def decode_mask(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which of the running `rows` only decode this step: (those with room for their token in
+        their blocks, those that need one more block first). A decoding row is past its prompt,
+        has its last token to compute, a query slot if that token's query is cached, and (stop
+        strings) an output stage that keeps up; one whose blocks are full at its budget compacts
+        instead."""
+        b, bs = self.batch, self.block_manager.block_size
+        computed, kv, blocks = b.num_computed_tokens[rows], b.num_kv_slots[rows], b.num_blocks[rows]
+        m = b.budget_blocks[rows]
+        ready = ((computed == b.num_tokens[rows] - 1) & (computed >= b.num_prefill_tokens[rows])
+                 & (b.num_tokens[rows] < b.max_len[rows]) & b.state_fresh[rows])
+        start = np.maximum(kv, b.budget_tokens[rows])  # Sequence.first_query_tail_slot, by row
+        tail = np.maximum(start, start // bs * bs + b.query_tail[rows])
+        ready &= ~((m >= 0) & (tail == kv) & (b.query_slot[rows] < 0))
+        if self.output_lag > MAX_OUTPUT_LAG:
+            ready &= ~b.held[rows]
+        room = kv < blocks * bs
+        return ready & room, ready & ~room & ((m < 0) | (blocks < m + 1))
+
+    def _decodes_as_row(self, seq: Sequence) -> bool:
+        """After its blocks and query slot were granted: the sequence's chunk is a decode row."""
+        return bool(self.decode_mask(np.array([seq.row]))[0][0])
+
     def _schedule_running(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        for seq in list(self.running):
+        """The decode rows first (one mask; rows whose blocks are full get their next block as
+        long as blocks are free), then every other running sequence in admission order."""
+        rows = self.running_rows
+        if not len(rows) or budget.tokens == 0:
+            return
+        b = self.batch
+        decode, grows = self.decode_mask(rows)
+        if len(out.decode_rows):  # the second pass: rows taken in the first stay out
+            taken = np.isin(rows, out.decode_rows)
+            decode &= ~taken
+            grows &= ~taken
+        picked = np.zeros(len(rows), bool)
+        picked[np.flatnonzero(decode | grows)[:budget.tokens]] = True
+        growing = np.flatnonzero(picked & grows)
+        short = len(growing) - self.block_manager.num_free_blocks
+        if short > 0:  # these preempt, or wait, below
+            picked[growing[len(growing) - short:]] = False
+            growing = growing[:len(growing) - short]
+        if len(growing):
+            self._grow(rows[growing])
+        out.decode_rows = np.concatenate([out.decode_rows, rows[picked]])
+        budget.tokens -= int(np.count_nonzero(picked))
+        held = self.output_lag > MAX_OUTPUT_LAG
+        for row in rows[~picked & ~decode & (b.num_tokens[rows] < b.max_len[rows])]:  # waiting for its last token
             if budget.tokens == 0:
                 break
-            if seq.status != SequenceStatus.RUNNING or seq.is_complete:
-                continue  # preempted earlier in this loop, or waiting for its last token
-            if self._needs_compression(seq):
-                if len(out.compressions) < self.max_compress_seqs:
+            seq = b.seqs[row]
+            if seq is None or seq.status != SequenceStatus.RUNNING or row in out.decode_rows:
+                continue  # preempted earlier in this loop
+            if held and b.held[row] and not self._in_prompt(seq):
+                continue  # its stop strings wait for the output stage
+            self._schedule_one(seq, out, budget)
+
+    def _grow(self, rows: np.ndarray) -> None:
+        """One more block for each of `rows` (decode rows whose blocks are full)."""
+        b = self.batch
+        blocks = b.num_blocks[rows]
+        b.block_table[rows, blocks] = self.block_manager.take_free_blocks(len(rows))
+        b.num_blocks[rows] = blocks + 1
+        b.kv_blocks_peak[rows] = np.maximum(b.kv_blocks_peak[rows], blocks + 1)
+
+    def _schedule_one(self, seq: Sequence, out: SchedulerOutput, budget: StepBudget) -> None:
+        if self._needs_compression(seq):
+            if len(out.compressions) < self.max_compress_seqs:
+                plan = self.block_manager.plan_compression(seq)
+                while plan is None and self._preempt_for(seq, out):  # blocks to replace shared ones
                     plan = self.block_manager.plan_compression(seq)
-                    while plan is None and self._preempt_for(seq, out):  # blocks to replace shared ones
-                        plan = self.block_manager.plan_compression(seq)
-                    if plan is not None:
-                        seq.compressing = True
-                        seq.advance_quote()
-                        out.compressions.append(plan)
-                continue  # decodes once the compaction has landed (next step)
-            n = self._chunk_size(seq, budget)
-            if n == 0:
-                continue  # waits for a query slot
-            n = self._allocate_or_preempt(seq, n, out)
-            if n == 0:
-                continue
-            chunk = self._with_tail(Chunk(seq, seq.num_computed_tokens, n), out, may_preempt=True)
-            if chunk is None:
-                continue
-            out.chunks.append(chunk)
-            budget.take(chunk.num_tokens, chunk.tail)
+                if plan is not None:
+                    seq.compressing = True
+                    seq.advance_quote()
+                    out.compressions.append(plan)
+            return  # decodes once the compaction has landed (next step)
+        n = self._chunk_size(seq, budget)
+        if n == 0:
+            return  # waits for a query slot
+        n = self._allocate_or_preempt(seq, n, out)
+        if n == 0:
+            return
+        if n == 1 and self._decodes_as_row(seq):
+            out.decode_rows = np.append(out.decode_rows, seq.row)
+            budget.take(1)
+            return
+        chunk = self._with_tail(Chunk(seq, seq.num_computed_tokens, n), out, may_preempt=True)
+        if chunk is None:
+            return
+        out.chunks.append(chunk)
+        budget.take(chunk.num_tokens, chunk.tail)
 
     def _admit(self, out: SchedulerOutput, budget: StepBudget) -> None:
         # No admission in a step that preempted: the pool is full (vLLM does the same).
-        while self.waiting and budget.tokens > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while (self.waiting and budget.tokens > 0 and self.batch.num_running < self.max_num_seqs
+               and not out.preempted and (self.waiting[0].row is not None or self.batch.free_rows)):
             seq = self.waiting[0]
             parent = seq.parent
             if parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens:
@@ -205,8 +325,7 @@ class Scheduler:
             self.block_manager.count_prefix_lookup(seq, cached)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self.state_slots.acquire(seq)  # always free: one per running sequence
-            self.running.append(seq)
+            self._start_running(seq)
             chunk = self._with_tail(Chunk(seq, seq.num_computed_tokens, n), out, may_preempt=False)
             if chunk is None:
                 break
@@ -217,12 +336,12 @@ class Scheduler:
         """Every block full, at its compaction point in the prompt (`PromptCompaction`), at the
         budget and the next block after it: the next token needs a block."""
         m = seq.budget_blocks
-        if m is None or seq.num_kv_slots != len(seq.block_table) * self.block_manager.block_size:
+        if m is None or seq.num_kv_slots != seq.num_blocks * self.block_manager.block_size:
             return False
         if self._in_prompt(seq):
             point = self.prompt.point(seq)
-            return point is not None and len(seq.block_table) >= point
-        return len(seq.block_table) >= m + 1
+            return point is not None and seq.num_blocks >= point
+        return seq.num_blocks >= m + 1
 
     @staticmethod
     def _in_prompt(seq: Sequence) -> bool:
@@ -259,14 +378,8 @@ class Scheduler:
             chunk.num_tokens, chunk.tail = chunk.num_tokens - 1, 0
             return chunk if chunk.num_tokens else None
         chunk.tail_blocks = self.block_manager.allocate_scratch(need)
-        seq.metrics.kv_blocks_peak = max(seq.metrics.kv_blocks_peak, len(seq.block_table) + need)
+        seq.metrics.kv_blocks_peak = max(seq.metrics.kv_blocks_peak, seq.num_blocks + need)
         return chunk
-
-    def release_tail(self, chunk: Chunk) -> None:
-        """The step that ran the chunk's tail was dispatched (or dropped): its scratch blocks are
-        free again (every later write is dispatched after it, and the device runs them in order)."""
-        self.block_manager.free_scratch(chunk.tail_blocks)
-        chunk.tail_blocks = []
 
     def _max_cached_blocks(self, seq: Sequence) -> int | None:
         """No block for a sequence computing prompt log-probabilities: it needs the logits of every
@@ -286,7 +399,7 @@ class Scheduler:
     def _capacity(self, seq: Sequence) -> int:
         """Slots the sequence can still write without preempting anyone."""
         bs = self.block_manager.block_size
-        return len(seq.block_table) * bs - seq.num_kv_slots + self.block_manager.num_free_blocks * bs
+        return seq.num_blocks * bs - seq.num_kv_slots + self.block_manager.num_free_blocks * bs
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
         """Blocks for up to n slots (a prefill chunk shrinks to what fits); preempts when
@@ -302,7 +415,8 @@ class Scheduler:
         """Preempts the most recently admitted sequence that may be (perhaps `seq` itself) to free
         blocks for `seq`. False when `seq` must wait: it was the victim, or only compressed
         sequences hold memory."""
-        victim = next((s for s in reversed(self.running)
+        seqs = self.batch.seqs
+        victim = next((s for s in (seqs[row] for row in self.running_rows[::-1])
                        if not (s.compressed or s.compressing or s.is_complete)), None)
         if victim is None:
             return False
@@ -314,10 +428,10 @@ class Scheduler:
             if chunk.seq is seq:
                 self.release_tail(chunk)
         out.chunks = [c for c in out.chunks if c.seq is not seq]
-        self.running.remove(seq)
+        out.decode_rows = out.decode_rows[out.decode_rows != seq.row]
         self.block_manager.free(seq)
         self.query_slots.release(seq)
-        self.state_slots.release(seq)
+        self._stop_running(seq, keep_row=True)
         seq.reset_for_recompute()
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -336,26 +450,52 @@ class Scheduler:
         uninterrupted run's (as after any change of the tokens kept)."""
         for seq in self.waiting:
             seq.drop_pending()
+            self._stop_running(seq)  # a preempted sequence's tokens in flight are lost too
         for seq in reversed(self.running):
             seq.drop_pending()
             self.query_slots.release(seq)
-            self.state_slots.release(seq)
+            self._stop_running(seq)
             seq.reset_for_recompute()
             self.waiting.appendleft(seq)
-        self.running = []
         self.block_manager.reset()
 
-    def abort_compressions(self, out: SchedulerOutput) -> None:
-        """The step's compaction raised: its plans are undone (their replacement blocks freed)
-        and the sequences keep their blocks."""
-        for plan in out.compressions:
-            self.block_manager.abort_compression(plan)
-            plan.seq.compressing = False
+    # -- a step's results ---------------------------------------------------------------------
 
-    def finish_compressions(self, out: SchedulerOutput) -> int:
-        """The step that compacts them has been dispatched. Returns the number of tokens evicted."""
-        total = 0
-        for plan in out.compressions:
+    def release_tail(self, chunk: Chunk) -> None:
+        """The step that ran the chunk's tail was dispatched (or dropped): its scratch blocks are
+        free again (every later write is dispatched after it, and the device runs them in order)."""
+        self.block_manager.free_scratch(chunk.tail_blocks)
+        chunk.tail_blocks = []
+
+    def update_from_output(self, scheduled: SchedulerOutput, output: RunnerOutput) -> EngineCoreOutputs:
+        """Applies what a step did and read back, in order: its compactions land (their blocks
+        change hands), the prompt tails' scratch blocks are free, its chunks and decode rows are
+        committed (their K/V are in the pool, their sampled tokens PENDING), the requests whose
+        inputs failed finish with "error", then each step read back: its prompt log-probabilities
+        and its tokens, by row (results of sequences that left their row since are dropped).
+
+        A token is checked by its sequence's grammar (one it refuses fails the request), replaces
+        its PENDING place, commits the blocks it completes, and may finish the sequence: EOS or a
+        stop token id past min_tokens ("stop"), a completed grammar ("stop"), max_tokens or the
+        length limit ("length")."""
+        out = EngineCoreOutputs()
+        self._finish_compressions(scheduled.compressions, out)
+        failed = {f.chunk.seq.request_id for f in output.failures}  # the whole request fails
+        for chunk in scheduled.chunks:
+            self.release_tail(chunk)
+            if chunk.seq.request_id not in failed:
+                self._commit(chunk)
+        self._commit_rows(scheduled.decode_rows)
+        for failure in output.failures:
+            self._fail(failure.chunk.seq, failure.error, out)
+        for step in output.fetched:
+            self._apply(step, out)
+        self._commit_full_blocks(self.running_rows)  # blocks now full of known tokens, by row
+        return out
+
+    def _finish_compressions(self, plans: list[CompressionPlan], out: EngineCoreOutputs) -> None:
+        """The step that compacts them has been dispatched."""
+        for plan in plans:
             seq = plan.seq
             kept = seq.budget.tokens
             evicted = seq.num_kv_slots - kept
@@ -364,10 +504,10 @@ class Scheduler:
             seq.compressed, seq.compressing = True, False
             seq.metrics.num_compressions += 1
             seq.metrics.kv_tokens_evicted += evicted
-            total += evicted
-        return total
+            out.kv_tokens_evicted += evicted
+            out.compressed.append(seq.seq_id)
 
-    def commit(self, chunk: Chunk) -> None:
+    def _commit(self, chunk: Chunk) -> None:
         """The chunk was dispatched: its K/V are in the pool for every later step, and its
         sampled token (if any) is on its way (PENDING until it reaches the host)."""
         seq = chunk.seq
@@ -378,77 +518,118 @@ class Scheduler:
             seq.append_pending()
         self.block_manager.commit_full_blocks(seq)
 
-    def update_from_output(self, output: RunnerOutput) -> StepUpdate:
-        """Applies what a step read back, in order. A failure finishes every sequence of its
-        request ("error"). A sampled token is checked by the sequence's grammar (one it refuses
-        fails the request), replaces its PENDING place, commits the blocks it completes, and goes
-        to the stop checker: a stop, the length limit or a completed grammar finishes the
-        sequence. Prompt log-probabilities advance how far the prompt's have arrived. Results of
-        sequences finished or aborted since their step was dispatched are dropped."""
-        update = StepUpdate()
-        for failure in output.failures:
-            self._fail(failure.chunk.seq, failure.error, update)
-        for res in output.results:
-            if isinstance(res, PromptLogprobsResult):
-                self._take_prompt_logprobs(res, update)
-            else:
-                self._append_token(res, update)
-        return update
-
-    def _append_token(self, res: StepResult, update: StepUpdate) -> None:
-        seq = res.chunk.seq
-        if seq.is_finished:
+    def _commit_rows(self, rows: np.ndarray) -> None:
+        """`_commit` of one-token chunks that sample, by row."""
+        if not len(rows):
             return
-        try:
-            complete = seq.grammar is not None and seq.grammar.accept(res.token_id)
-        except _token_rejected() as exc:
-            self._fail(seq, exc, update)
-            return
-        seq.resolve(res.token_id)
-        self.block_manager.commit_full_blocks(seq)  # blocks whose tokens are all known now
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = time.monotonic()
-        checker = seq.stop_checker
-        text, reason = checker.append(res.token_id, final=complete)
-        if reason is None and seq.num_known_tokens >= seq.max_len:
-            reason = "length"  # the sequence's length limit (max_model_len, or the pool for full KV)
-        update.tokens.append((seq, res, text))
-        if reason is not None:
-            self._finish(seq, reason, checker.stop_reason, update)
+        b = self.batch
+        b.num_computed_tokens[rows] += 1
+        b.num_kv_slots[rows] += 1
+        n = b.num_tokens[rows]
+        b.ensure_capacity(int(n.max()) + 1)
+        b.tokens[rows, n] = PENDING
+        b.num_tokens[rows] = n + 1
+        b.num_pending[rows] += 1
 
-    @staticmethod
-    def _take_prompt_logprobs(res: PromptLogprobsResult, update: StepUpdate) -> None:
+    def _commit_full_blocks(self, rows: np.ndarray) -> None:
+        """BlockManager.commit_full_blocks of the rows that have a block to hash."""
+        if not self.block_manager.enable_prefix_caching:
+            return
+        b, bs = self.batch, self.block_manager.block_size
+        known = b.num_tokens[rows] - b.num_pending[rows]
+        full = np.minimum(np.minimum(b.num_computed_tokens[rows], known) // bs, b.num_blocks[rows])
+        hashed = b.num_hashed_blocks[rows]
+        todo = (full > hashed) & ~b.compressed[rows]
+        one = todo & (full == hashed + 1)  # a decode row that filled a block: all of them at once
+        if one.any():
+            next_rows, index = rows[one], hashed[one]
+            tokens = b.tokens[next_rows[:, None], index[:, None] * bs + np.arange(bs)].astype(np.int64)
+            self.block_manager.hash_next_blocks(b.block_table[next_rows], index, tokens)
+            b.num_hashed_blocks[next_rows] = index + 1
+            todo &= ~one
+        for row, stop in zip(rows[todo].tolist(), full[todo].tolist()):
+            first = int(b.num_hashed_blocks[row])
+            self.block_manager.hash_blocks(b.block_table[row], b.tokens[row, first * bs:stop * bs], first, stop)
+            b.num_hashed_blocks[row] = stop
+
+    def _apply(self, step: FetchedStep, out: EngineCoreOutputs) -> None:
+        """One step's results read back: its prompt log-probabilities, then its tokens by row."""
+        for res in step.prompt_logprobs:
+            self._take_prompt_logprobs(res, out)
+        b = self.batch
+        final = np.zeros(len(step.rows), bool)  # a completed grammar ends the sequence
+        keep = self._same_sequences(step)
+        constrained = np.flatnonzero(keep & b.constrained[step.rows])
+        for i in constrained:  # a grammar's step per token: Python, constrained rows only
+            seq = b.seqs[step.rows[i]]
+            if seq.is_finished:
+                continue  # a sibling's rejected token failed the request
+            try:
+                final[i] = seq.grammar.accept(int(step.tokens[i]))
+            except _token_rejected() as exc:
+                self._fail(seq, exc, out)
+        if len(constrained):
+            keep &= self._same_sequences(step)
+        picked = np.flatnonzero(keep)
+        rows, tokens, final = step.rows[picked], step.tokens[picked], final[picked]
+        at = b.num_tokens[rows] - b.num_pending[rows]
+        b.tokens[rows, at] = tokens
+        b.num_pending[rows] -= 1
+        out.add_tokens(b.seq_id[rows], tokens, step.logprobs(picked) if b.wants_logprobs[rows].any() else None)
+        num_out = at + 1 - b.num_prompt[rows]
+        may_stop = num_out > b.min_tokens[rows]
+        eos = may_stop & ~b.ignore_eos[rows] & b.is_eos(tokens)
+        stop_id = may_stop & b.has_stop_ids[rows]
+        if stop_id.any():
+            stop_id[stop_id] = (b.suppress_ids[rows[stop_id]] == tokens[stop_id, None]).any(axis=1)
+        length = (num_out >= b.max_tokens[rows]) | (at + 1 >= b.max_len[rows])
+        ends = np.flatnonzero(eos | stop_id | final | length)
+        if len(ends):
+            self._commit_full_blocks(rows[ends])  # the last blocks of the sequences about to finish
+        for i in ends:
+            stop_token = bool(eos[i] or stop_id[i])
+            reason = "stop" if stop_token or final[i] else "length"
+            self._finish(b.seqs[rows[i]], reason, int(tokens[i]) if stop_id[i] and not eos[i] else None, out,
+                         stop_token)
+        departed = rows[~b.running[rows] & (b.num_pending[rows] == 0) & b.occupied[rows]]
+        for row in departed:  # preempted: its last token in flight has arrived
+            self.batch.detach(b.seqs[row])
+
+    def _same_sequences(self, step: FetchedStep) -> np.ndarray:
+        """Which of the step's rows still hold the sequence they held when it was dispatched."""
+        b = self.batch
+        return (b.epoch[step.rows] == step.epochs) & b.occupied[step.rows]
+
+    def _take_prompt_logprobs(self, res, out: EngineCoreOutputs) -> None:
         seq = res.chunk.seq
         if seq.is_finished or not seq.computes_prompt_logprobs:
             return  # a recompute after preemption computes them again: the first ones stay
         if res.first <= seq.num_prompt_logprobs:
             seq.num_prompt_logprobs = max(seq.num_prompt_logprobs, res.first + len(res.logprobs))
         seq.computes_prompt_logprobs = seq.num_prompt_logprobs < seq.num_prompt_tokens
-        update.prompt_logprobs.append(res)
+        out.prompt_logprobs.append((seq.seq_id, res.first, res.logprobs, res.top_ids, res.top_logprobs))
 
-    def _fail(self, seq: Sequence, error: Exception, update: StepUpdate) -> None:
+    def _fail(self, seq: Sequence, error: Exception, out: EngineCoreOutputs) -> None:
         """A failure that belongs to one request: all its sequences still running finish with "error"."""
-        update.failures.append((seq, error))
+        out.failures.append((seq.request_id, f"{type(error).__name__}: {error}", error))
         request_seqs = [s for s in (*self.running, *self.waiting) if s.request_id == seq.request_id]
         for s in sorted(request_seqs, key=lambda s: s.index):
-            self._finish(s, "error", None, update)
+            self._finish(s, "error", None, out)
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, update: StepUpdate) -> None:
+    def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, out: EngineCoreOutputs,
+                stop_token: bool = False) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        seq.metrics.finish_time = time.monotonic()
-        seq.drop_pending()
         self.finish(seq)
-        update.finished.append(seq)
+        out.finished.append(FinishedSequence(seq.seq_id, reason, stop_reason, stop_token, seq.metrics))
 
     def finish(self, seq: Sequence) -> None:
-        """Finished or aborted: free its blocks and query slot."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
+        """Finished or aborted: free its blocks, query slot and row."""
+        if seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        seq.drop_pending()
         self.block_manager.free(seq)
         self.query_slots.release(seq)
-        self.state_slots.release(seq)
+        self._stop_running(seq)
         seq.status = SequenceStatus.FINISHED
 
 

@@ -1,4 +1,5 @@
-"""The engine's counters, as `LLMEngine.get_stats()` and the periodic log line report them."""
+"""The engine's counters, as `EngineCore.get_stats()` and the periodic log line report them, and
+its warm-up's progress."""
 
 from __future__ import annotations
 
@@ -51,3 +52,15 @@ class EngineStats:
                 f"compressions {self.num_compressions}, evicted tokens {self.kv_tokens_evicted}, "
                 f"at budget {self.seqs_at_budget}, query slots {self.query_slots_in_use}/{self.num_query_slots}, "
                 f"preemptions {self.num_preemptions}, recoveries {self.num_recoveries}")
+
+
+@dataclass(frozen=True)
+class WarmupStatus:
+    """A warm-up's progress (engine/runner/warmup.py)."""
+
+    total: int  # programs in the grid
+    ready: int  # built so far (compiled or loaded)
+    serving_ready: bool  # the serving set is built: every step can run without compiling
+    done: bool  # every program is built, failed, or skipped after `stop`
+    seconds: float  # since the warm-up started (to the end once done)
+    failed: int  # programs whose build raised (they compile again when a step needs them)

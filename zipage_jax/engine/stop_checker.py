@@ -1,16 +1,16 @@
-"""Per output sequence, on the host: incremental detokenisation and the stop conditions.
+"""Per output sequence, in the output stage: incremental detokenisation and stop strings.
 
 Detokenisation follows vLLM: each step decodes only a short window of tokens, from
 `prefix_offset` (a few tokens of context, so a leading space or a byte-level merge comes out
 as in a full decode) to the end, and emits the part past `read_offset`; text that ends in an
 unfinished UTF-8 character ("\\ufffd") waits for the next token.
 
-Stops (vLLM semantics): the first `min_tokens` tokens never stop the sequence; then EOS
-(unless ignore_eos) or one of stop_token_ids finishes it with "stop" (its text is dropped
-unless include_stop_str_in_output); a stop string found in the text finishes it with "stop",
-the text cut before the string (after it with include_stop_str_in_output); max_tokens
-finishes it with "length". A stop string wins over the other reasons on the same token. A token
-the caller marks final (a structured output's grammar is complete) finishes it with "stop".
+Stops (vLLM semantics): the engine core finishes a sequence by token (EOS unless ignore_eos,
+stop_token_ids, max_tokens, the length limit, a complete grammar) and says so with the token
+(`append(..., ends=True)`); the text of EOS or a stop token id is dropped unless
+include_stop_str_in_output. Past the first `min_tokens` tokens, a stop string found in the text
+finishes the sequence here ("stop"), the text cut before the string (after it with
+include_stop_str_in_output); a stop string wins over the engine's reason on the same token.
 Any tail of the text that could still become a stop string is held back (from the deltas
 and from `.text`) until it is resolved, so streamed text never has to be taken back:
 `.text` is always the concatenation of the deltas returned so far.
@@ -35,20 +35,18 @@ _KEEP_CHARS = 4096  # emitted text kept in the working string before it moves to
 
 
 class StopChecker:
-    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: Iterable[int],
-                 prompt_token_ids: Sequence[int], special_ids: frozenset[int] | None = None):
+    def __init__(self, tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int],
+                 special_ids: Iterable[int] | None = None):
         """special_ids: the tokenizer's special token ids (read from it when not given)."""
         self.tokenizer = tokenizer
         self.params = params
-        self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
-        self.stop_token_ids = frozenset(params.stop_token_ids)
-        skipped = special_ids if special_ids is not None else frozenset(tokenizer.all_special_ids)
+        skipped = frozenset(special_ids if special_ids is not None else tokenizer.all_special_ids)
         self._skipped = skipped if params.skip_special_tokens else frozenset()
         self.num_tokens = 0  # output tokens, stop tokens included
         self._pieces: list[str] = []  # emitted text before _text
         self._text = ""  # the rest of the decoded output, held-back tail included; cut at a stop string
-        self.finish_reason: str | None = None  # "stop" or "length"
-        self.stop_reason: str | int | None = None  # the stop string or stop token id; None for EOS / length
+        self.done = False  # the sequence ended (the engine's reason, or `stop_string`)
+        self.stop_string: str | None = None  # the stop string that ended it
         self._tokens = self._to_tokens(prompt_token_ids[-_CONTEXT_TOKENS - 2:])  # tokenizer pieces
         self._read_offset = len(self._tokens)
         self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
@@ -56,35 +54,48 @@ class StopChecker:
         held = () if params.include_stop_str_in_output else params.stop
         self._prefixes = [StopPrefix(stop) for stop in dict.fromkeys(held)]
 
-    def append(self, token_id: int, final: bool = False) -> tuple[str, str | None]:
-        """Adds one sampled token; returns (new text safe to stream, finish reason or None).
-        final: the sequence ends at this token ("stop" unless a stop string or token says why)."""
-        if self.finish_reason is not None:
-            raise RuntimeError(f"sequence already finished ({self.finish_reason}); cannot append token {token_id}")
+    def append(self, token_id: int, ends: bool = False, stop_token: bool = False) -> tuple[str, bool]:
+        """Adds one output token; returns (new text safe to stream, whether a stop string ended the
+        sequence at it). ends: the engine finished the sequence at this token (its text is flushed);
+        stop_token: it is EOS or a stop token id (its text is dropped unless include_stop_str_in_output)."""
+        if self.done:
+            raise RuntimeError(f"sequence already finished; cannot append token {token_id}")
         params = self.params
         self.num_tokens += 1
         may_stop = self.num_tokens > params.min_tokens
-        is_eos = may_stop and token_id in self.eos_token_ids
-        is_stop_token = is_eos or (may_stop and token_id in self.stop_token_ids)
-        ends = is_stop_token or final or self.num_tokens >= params.max_tokens
-        if not is_stop_token or params.include_stop_str_in_output:
+        if not stop_token or params.include_stop_str_in_output:
             self._tokens.extend(self._to_tokens([token_id]))
         checked = len(self._text)
         added = self._decode(flush=ends)
         self._text += added
         for prefix in self._prefixes:
             prefix.feed(added)
-        if not (may_stop and self._match_stop_string(checked)):
-            if is_stop_token:
-                self._finish("stop", None if is_eos else token_id)
-            elif ends:
-                self._finish("stop" if final else "length", None)
-        end = len(self._text) if self.finish_reason else len(self._text) - self._held_back()
+        matched = may_stop and self._match_stop_string(checked)
+        self.done = ends or matched
+        end = len(self._text) if self.done else len(self._text) - self._held_back()
         delta, self._emitted = self._text[self._emitted:end], max(end, self._emitted)
         if self._emitted > 2 * _KEEP_CHARS:  # move emitted text out of the working string
             self._pieces.append(self._text[:_KEEP_CHARS])
             self._text, self._emitted = self._text[_KEEP_CHARS:], self._emitted - _KEEP_CHARS
-        return delta, self.finish_reason
+        return delta, matched
+
+    def extend(self, token_ids: Sequence[int], ends: bool = False, stop_token: bool = False) -> str:
+        """`append` of several tokens at once, decoded together: for a sequence without stop strings
+        (nothing to find between them). stop_token: the last one is EOS or a stop token id."""
+        if self.done:
+            raise RuntimeError("sequence already finished; cannot extend it")
+        if self._prefixes or self.params.stop:
+            raise RuntimeError("a sequence with stop strings takes its tokens one by one (append)")
+        self.num_tokens += len(token_ids)
+        keep = token_ids if not stop_token or self.params.include_stop_str_in_output else token_ids[:-1]
+        self._tokens.extend(self._to_tokens(keep))
+        self._text += self._decode(flush=ends)
+        self.done = ends
+        delta, self._emitted = self._text[self._emitted:], len(self._text)
+        if self._emitted > 2 * _KEEP_CHARS:
+            self._pieces.append(self._text[:_KEEP_CHARS])
+            self._text, self._emitted = self._text[_KEEP_CHARS:], self._emitted - _KEEP_CHARS
+        return delta
 
     @property
     def text(self) -> str:
@@ -115,15 +126,12 @@ class StopChecker:
             return False
         at, stop = best
         self._text = self._text[: at + len(stop) if self.params.include_stop_str_in_output else at]
-        self._finish("stop", stop)
+        self.stop_string = stop
         return True
 
     def _held_back(self) -> int:
         # the longest tail of the text that begins a stop string and may still complete it
         return max((prefix.held for prefix in self._prefixes), default=0)
-
-    def _finish(self, reason: str, stop_reason: str | int | None) -> None:
-        self.finish_reason, self.stop_reason = reason, stop_reason
 
 
 class StopPrefix:

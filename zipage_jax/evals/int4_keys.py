@@ -4,7 +4,7 @@
 
 What it measures. The default model prefills each dev text (the first --length tokens of the
 standard library's argparse.py and pydoc_data/topics.py, datasets.DEV_TEXTS) in one
-jitted pass of the engine's own stages (`llm.engine.runner.stages`, its parameters), which hands
+jitted pass of the engine's own stages (`llm.engine.core.runner.stages`, its parameters), which hands
 every layer's keys (after RoPE), values and the last --queries queries (16: what the engine's
 query cache holds) to this evaluation. Per layer it computes the exact causal attention output of
 those queries over all the text's keys/values, then the same with the cache quantized (numpy,
@@ -179,7 +179,7 @@ def capture(llm, token_ids: list[int], num_queries: int) -> list[tuple[np.ndarra
 
     from zipage_jax.layers.attention import causal_attention
 
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     stages, params = runner.stages, runner.forward.params
 
     def attn(layer, q, k, v, cache):
@@ -260,7 +260,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = build_llm(args.model, kvcache_block_size=16, num_kvcache_blocks=8, max_num_seqs=1)
-    mc = llm.engine.loaded.config
+    mc = llm.engine.core.loaded.config
     per_text = {}
     for name in args.texts:
         ids = llm.tokenizer(stdlib_path(name).read_text(encoding="utf-8", errors="replace"))["input_ids"][:args.length]

@@ -150,9 +150,9 @@ def make_grader():
 
 def run_mode(llm, problems: list[dict], params, grade) -> dict:
     conversations = [[{"role": "user", "content": f"{p['problem']}\n{INSTRUCTION}"}] for p in problems]
-    compiled = llm.engine.runner.compile_seconds
+    compiled = llm.engine.core.runner.compile_seconds
     results, wall = timed(lambda: llm.chat(conversations, params, use_tqdm=False))
-    compiled = llm.engine.runner.compile_seconds - compiled
+    compiled = llm.engine.core.runner.compile_seconds - compiled
     correct, tokens, truncated = [], 0, 0
     for problem, result in zip(problems, results, strict=True):
         outs = result["outputs"]
@@ -187,11 +187,11 @@ def compare(problems: list[dict], model: str, options: dict, samples: int, max_t
     params = SamplingParams(n=samples, temperature=0.6, top_p=0.95, max_tokens=max_tokens, seed=seed)
     llm = build_llm(model, **options, max_cache_blocks_per_seq=None)
     report = {"grader": grader, "problems": len(problems), "samples": samples, "max_tokens": max_tokens,
-              "budget_blocks": budget_blocks, "model": str(llm.engine.loaded.source), "options": options}
+              "budget_blocks": budget_blocks, "model": str(llm.engine.core.loaded.source), "options": options}
     report["full"] = run_mode(llm, problems, params, grade)
     log(f"  full: pass@1 {report['full']['pass_at_1']:.3f}, {report['full']['throughput']:.1f} tok/s")
     zipage_options = {**RECOMMENDED_SCORING, **options, "max_cache_blocks_per_seq": budget_blocks}
-    llm = build_llm(model, loaded=llm.engine.loaded, **zipage_options)
+    llm = build_llm(model, loaded=llm.engine.core.loaded, **zipage_options)
     report["zipage"] = run_mode(llm, problems, params, grade)
     report["budget_tokens"] = budget_blocks * llm.engine.config.kvcache_block_size
     log(f"zipage: pass@1 {report['zipage']['pass_at_1']:.3f}, {report['zipage']['throughput']:.1f} tok/s "

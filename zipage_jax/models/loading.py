@@ -37,7 +37,7 @@ from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.decoder import Decoder
 from zipage_jax.models.gguf_tokenizer import gguf_tokenizer
 from zipage_jax.models.param_cache import ParamCache, fingerprint
-from zipage_jax.models.random_model import RANDOM_MODELS, random_model
+from zipage_jax.models.random_model import RANDOM_MODELS, ByteTokenizer, random_model
 from zipage_jax.models.registry import MODELS, model_path
 from zipage_jax.models.weights import decoder_from_flat, decoder_from_hf, flat_params, param_shapes
 
@@ -94,6 +94,29 @@ def load_model(model: str = "default", dtype: str | None = None, cache_dir: str 
         except OSError as exc:  # a read-only or full cache only costs the next load its speed
             warnings.warn(f"could not cache converted parameters in {cache.root}: {exc}", stacklevel=2)
     return LoadedModel(cfg, decoder, tokenizer, str(source), from_cache, time.perf_counter() - start)
+
+
+def load_tokenizer(model: str = "default", cache_dir: str | None = None, *, revision: str | None = None,
+                   download_dir: str | None = None) -> Any:
+    """The tokenizer `load_model(model)` gives, without the model: the parameter cache's copy when
+    the model was converted before (any dtype), else built from its source. Nothing touches a
+    device (a server's API process calls it beside the engine's own process)."""
+    from transformers import PreTrainedTokenizerFast
+
+    if model in RANDOM_MODELS and revision is None:
+        return ByteTokenizer()
+    source = resolve_source(model, cache_dir, revision=revision, download_dir=download_dir)
+    files = [source] if source.is_file() else [f for f in source.iterdir() if f.is_file()]
+    cache = ParamCache(cache_dir)
+    for dtype in DTYPES:
+        key = fingerprint(files, dtype)
+        if cache.hf_config(key) is not None:
+            return PreTrainedTokenizerFast.from_pretrained(cache.tokenizer_dir(key))
+    if source.is_file():
+        return gguf_tokenizer(gguf.open_gguf(source))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)
 
 
 def resolve_source(model: str, cache_dir: str | Path | None = None, *, revision: str | None = None,

@@ -1,12 +1,14 @@
-"""create_app: the OpenAI-compatible FastAPI app around an EngineLoop: its routes, each answered
-by the serving module of its family (serving_completion.py, serving_chat.py,
-serving_tokenization.py, serving_models.py) over the parts they share (serving.py).
+"""create_app: the OpenAI-compatible FastAPI app around an EngineClient (server/engine_client.py):
+its routes, each answered by the serving module of its family (serving_completion.py,
+serving_chat.py, serving_tokenization.py, serving_models.py) over the parts they share
+(serving.py).
 
-    app = create_app(lambda: LLMEngine(model="default"), ["default"])
+    app = create_app(MultiProcessEngineClient(EngineConfig(model="default")), ["default"])
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-The model loads in the engine thread once the app starts; until then /health answers 503, as it
-does while the engine rebuilds its device state after a failed step, and once it has failed.
+The model loads (in the engine core's process) once the app starts; until then /health answers
+503, as it does while the engine rebuilds its device state after a failed step, and once it has
+failed.
 With `warmup`, the engine then builds its compiled programs in the background, the serving set
 first; /health, the generation and the tokenizer routes answer 503 until that set is ready.
 Request bodies are parsed, chat templates rendered and prompts tokenized in a Preprocessor
@@ -23,11 +25,11 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.sampling_params import MAX_N
 from zipage_jax.server import serving_models, serving_tokenization
 from zipage_jax.server.auth import ApiKey
 from zipage_jax.server.chat_output import ChatParsing
+from zipage_jax.server.engine_client import EngineClient
 from zipage_jax.server.errors import install_error_handlers
 from zipage_jax.server.limits import RequestLimits
 from zipage_jax.server.middleware import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
@@ -63,35 +65,35 @@ _REQUEST_MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, To
 _BODY_ERRORS = (400, 404, 413, 415, 500, 503)  # of a route that parses a body and needs the engine
 
 
-def create_app(engine_factory: Callable[[], LLMEngine], served_model_names: list[str],
+def create_app(client: EngineClient, served_model_names: list[str],
                on_load_error: Callable[[BaseException], None] | None = None, *, max_n: int = MAX_N,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, limits: RequestLimits | None = None,
                on_engine_error: Callable[[BaseException], None] | None = None,
                max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS, api_key: str | None = None,
                warmup: bool = False, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, stream_interval: int = 1) -> FastAPI:
     """`max_n` caps n (never above MAX_N, nor the engine's max_num_seqs); a body over
     `max_request_bytes` is answered 413 unread; `limits` bounds other counts (default:
     RequestLimits()); a generation request that would make more than `max_queued_requests`
     sequences wait is answered 503; with `api_key`, the /v1 and tokenizer routes need it;
-    `on_engine_error(exc)` runs (in the engine thread) once the engine can no longer serve;
-    with `warmup`, the loaded engine builds its programs in the background
-    (`LLMEngine.start_warmup`) and the server is not ready until their serving set is, the
+    `on_engine_error(exc)` runs (on the client's output thread) once the engine can no longer
+    serve; with `warmup`, the loaded engine builds its programs in the background
+    (`EngineCore.start_warmup`) and the server is not ready until their serving set is, the
     warm-up stopping when the server does. `enable_auto_tool_choice`, `tool_call_parser`,
-    `reasoning_parser`: how chat outputs are parsed (ServerConfig's fields of those names say
-    what each does). Raises ValueError for a bad value."""
+    `reasoning_parser`: how chat outputs are parsed, `stream_interval`: tokens per streamed chunk
+    (ServerConfig's fields of those names say what each does). Raises ValueError for a bad value."""
     served = ServedModels(served_model_names)
     limits = limits or RequestLimits()
     chat_parsing = ChatParsing.from_options(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
-    serving = OpenAIServing(engine_factory, served, limits, max_n, max_queued_requests, on_load_error,
-                            on_engine_error, warmup, chat_parsing)
+    serving = OpenAIServing(client, served, limits, max_n, max_queued_requests, on_load_error,
+                            on_engine_error, warmup, chat_parsing, stream_interval)
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     key = None if api_key is None else ApiKey(api_key)
 
     app = FastAPI(title="zipage-jax", lifespan=serving.lifespan)
     app.add_middleware(RequestGuard, max_request_bytes=max_request_bytes, api_key=key)
-    app.state.engine_loop = serving.engine_loop
+    app.state.engine_client = client
     app.state.preprocessor = serving.preprocessor
     app.state.queue = serving.queue
     install_error_handlers(app)

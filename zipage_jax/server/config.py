@@ -40,6 +40,10 @@ class ServerConfig:
         DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
         doc="the most sequences (prompts x n) admitted and waiting for their first token; a generation request that "
             "would make more wait is answered 503 with Retry-After")
+    stream_interval: int = option(
+        1, metavar="N", doc="tokens of a streamed completion per chunk (the last chunk may hold fewer): 1 sends every "
+                            "token as it comes; a larger N costs the server's process less per token at high "
+                            "concurrency, each client seeing its text N tokens at a time (vLLM's --stream-interval)")
     data_parallel_size: int = option(
         1, metavar="N", doc="engine replicas behind this server, each in its own process with its own devices "
                             "(--tensor-parallel-size each), run by --data-parallel-backend; 1: one engine in this "

@@ -1,7 +1,7 @@
 """FormatThread: the one thread that formats outputs whose token texts must be decoded (the
 tokens and up to 20 alternatives per token of log-probabilities), which would otherwise hold
 the event loop for as long as it takes. It is the only user of the tokenizer that the response
-formats are given (EngineLoop.tokenizer), so that tokenizer is never shared between threads."""
+formats are given (EngineClient.tokenizer), so that tokenizer is never shared between threads."""
 
 from __future__ import annotations
 

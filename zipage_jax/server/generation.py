@@ -15,9 +15,10 @@ from starlette.types import Receive, Scope, Send
 
 from zipage_jax.engine.outputs import RequestOutput, TokenLogprob
 from zipage_jax.sampling_params import SamplingParams
-from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
+from zipage_jax.server.engine_client import EngineClient, RequestFailed
 from zipage_jax.server.errors import error_body, internal_message
 from zipage_jax.server.format_thread import FormatThread
+from zipage_jax.server.output_sink import OutputSink
 from zipage_jax.server.queue_capacity import Reservation
 from zipage_jax.server.response_builders import ResponseBuilder
 from zipage_jax.server.responses import ResponseBody, Usage
@@ -51,24 +52,27 @@ class Generation:
     alternatives' are decoded); any other output is a small body, made on the event loop, where
     handing it to a thread would cost more."""
 
-    def __init__(self, engine_loop: EngineLoop, prompts: list[list[int]], params: SamplingParams,
+    def __init__(self, client: EngineClient, prompts: list[list[int]], params: SamplingParams,
                  builder: ResponseBuilder, request_id: str, reservation: Reservation, format_thread: FormatThread,
-                 echo: Echo | None = None):
+                 echo: Echo | None = None, stream: bool = True, stream_interval: int = 1):
+        """`stream`: the response is streamed, a chunk per `stream_interval` tokens (else the engine
+        sends only each prompt's first and final outputs)."""
         self.prompts, self.params, self.builder, self.request_id, self.echo = prompts, params, builder, request_id, echo
-        self._engine_loop = engine_loop
+        self.stream, self.stream_interval = stream, stream_interval
+        self._client = client
         self._reservation = reservation
         decodes = params.logprobs is not None or params.prompt_logprobs is not None
         self._format_thread = format_thread if decodes else None
         self._prompt_index = {f"{builder.id}-{p}": p for p in range(len(prompts))}
         self._unfinished: set[str] = set()
-        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._outputs = OutputSink()
         self._latest: dict[int, RequestOutput] = {}
         self._prompt_logprobs: dict[int, list] = {}  # per prompt, once its prefill has finished
 
     async def start(self) -> None:
         """Adds every prompt; on an error (the engine's ValueError for bad input) aborts them all."""
         self._unfinished.update(self._prompt_index)
-        added = [self._engine_loop.add(prompt, self.params, request_id, self._outputs)
+        added = [self._client.add(prompt, self.params, request_id, self._outputs, self.stream, self.stream_interval)
                  for request_id, prompt in zip(self._prompt_index, self.prompts)]
         try:
             results = await asyncio.gather(*added, return_exceptions=True)
@@ -83,7 +87,7 @@ class Generation:
     def abort(self) -> None:
         """Aborts what has not finished (idempotent; the engine frees its blocks)."""
         for request_id in self._unfinished:
-            self._engine_loop.abort(request_id)
+            self._client.abort(request_id)
         self._unfinished.clear()
         self._reservation.release_all()
 
@@ -93,7 +97,7 @@ class Generation:
         while self._unfinished:
             item = await self._outputs.get()
             if isinstance(item, RequestFailed):
-                self._unfinished.clear()  # the engine loop has aborted them
+                self._unfinished.clear()  # the engine client has aborted them
                 raise item
             if item.error is not None:
                 self._unfinished.discard(item.request_id)

@@ -23,7 +23,6 @@ from pydantic import BaseModel, RootModel, ValidationError
 
 from zipage_jax.chat import chat_prompt_ids, chat_prompt_text
 from zipage_jax.engine.admission import check_prompt_length
-from zipage_jax.engine.llm_engine import LLMEngine
 from zipage_jax.server.errors import OpenAIError, validation_error
 from zipage_jax.server.limits import RequestLimits
 from zipage_jax.server.protocol import ChatCompletionRequest, TokenizeChatRequest, TokenizeCompletionRequest
@@ -49,11 +48,11 @@ class Preprocessor:
         self._bytes_per_token: int | None = None
         self._lock = threading.Lock()
 
-    def prepare(self, engine: LLMEngine) -> None:
-        """Copies the engine's tokenizer for each thread; run where the engine is owned (the
-        copies take time that would otherwise pause the event loop at a thread's first request)."""
-        self._copies = [copy.deepcopy(engine.tokenizer) for _ in range(self._num_threads)]
-        self._bytes_per_token = bytes_per_token(engine.tokenizer)
+    def prepare(self, tokenizer: Any) -> None:
+        """Copies the engine's tokenizer for each thread; run off the event loop (the copies take
+        time that would otherwise pause it at a thread's first request)."""
+        self._copies = [copy.deepcopy(tokenizer) for _ in range(self._num_threads)]
+        self._bytes_per_token = bytes_per_token(tokenizer)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

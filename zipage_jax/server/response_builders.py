@@ -61,8 +61,9 @@ class ResponseBuilder(ABC):
               include_usage: bool = False) -> CompletionChunk | ChatCompletionChunk:
         # OpenAI: with include_usage every chunk carries "usage", null except in the last one
         given_usage = {"usage": usage} if include_usage else {}
-        return self.chunk_model(id=self.id, object=self.chunk_object, created=self.created, model=self.model,
-                                choices=choices, **given_usage)
+        # built from values this builder made (a stream sends one per token): not validated again
+        return self.chunk_model.model_construct(id=self.id, object=self.chunk_object, created=self.created,
+                                                model=self.model, choices=choices, **given_usage)
 
     def opening_choices(self, num_choices: int) -> list[ResponseBody]:
         """Choices sent before any token (chat announces the assistant role)."""
@@ -110,7 +111,8 @@ class CompletionBuilder(ResponseBuilder):
         return CompletionChoice(**self._fields(index, text, logprobs, finish_reason, stop_reason, 0))
 
     def stream_choices(self, index, text, logprobs, finish_reason, stop_reason, text_offset):
-        return [CompletionChunkChoice(**self._fields(index, text, logprobs, finish_reason, stop_reason, text_offset))]
+        fields = self._fields(index, text, logprobs, finish_reason, stop_reason, text_offset)
+        return [CompletionChunkChoice.model_construct(**fields)]
 
     def _fields(self, index: int, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None,
                 stop_reason: str | int | None, text_offset: int) -> dict:

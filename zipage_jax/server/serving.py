@@ -12,10 +12,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from zipage_jax.engine.admission import check_prompt_length
-from zipage_jax.engine.llm_engine import LLMEngine
+from zipage_jax.engine.core import ModelInfo
 from zipage_jax.sampling_params import MAX_N, SamplingParams
 from zipage_jax.server.chat_output import ChatParsing
-from zipage_jax.server.engine_loop import EngineLoop, RequestFailed
+from zipage_jax.server.engine_client import EngineClient, RequestFailed
 from zipage_jax.server.errors import OpenAIError
 from zipage_jax.server.format_thread import FormatThread
 from zipage_jax.server.generation import EventStream, Generation, until_disconnected
@@ -31,52 +31,55 @@ CLIENT_CLOSED = 499
 
 
 class OpenAIServing:
-    def __init__(self, engine_factory: Callable[[], LLMEngine], served: ServedModels, limits: RequestLimits,
+    def __init__(self, client: EngineClient, served: ServedModels, limits: RequestLimits,
                  max_n: int, max_queued_requests: int, on_load_error: Callable[[BaseException], None] | None,
                  on_engine_error: Callable[[BaseException], None] | None, warmup: bool,
-                 chat_parsing: ChatParsing | None = None):
+                 chat_parsing: ChatParsing | None = None, stream_interval: int = 1):
         """Raises ValueError for a bad value (see create_app)."""
         if not 1 <= max_n <= MAX_N:
             raise ValueError(f"max_n must be in [1, {MAX_N}], got {max_n}")
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {stream_interval!r}")
+        self.stream_interval = stream_interval
         self.served, self.limits, self.max_n = served, limits, max_n
         self.chat_parsing = chat_parsing or ChatParsing()
-        self.metrics = ServerMetrics(served.names[0], lambda: self.engine_loop.stats,
-                                     lambda: self.engine_loop.warmup_status)
+        self.metrics = ServerMetrics(served.names[0], lambda: self.client.stats, lambda: self.client.warmup_status)
         self.queue = QueueCapacity(max_queued_requests, on_refused=lambda: self.metrics.refused("queue_full"))
         self.preprocessor = Preprocessor(limits)
         self.format_thread = FormatThread()
-        self.engine_loop = EngineLoop(engine_factory, observer=self.metrics, on_load_error=on_load_error,
-                                      on_loaded=self.preprocessor.prepare, on_engine_error=on_engine_error,
-                                      warmup=warmup)
+        self.client = client
+        self._on_load_error, self._on_engine_error, self._warmup = on_load_error, on_engine_error, warmup
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
-        """The engine thread runs while the app does; the worker threads stop with it."""
-        self.engine_loop.start(asyncio.get_running_loop())
+        """The engine runs while the app does; the worker threads stop with it."""
+        self.client.start(asyncio.get_running_loop(), observer=self.metrics, on_loaded=self.preprocessor.prepare,
+                          on_load_error=self._on_load_error, on_engine_error=self._on_engine_error,
+                          warmup=self._warmup)
         yield
-        self.engine_loop.stop()
+        self.client.stop()
         self.preprocessor.shutdown()
         self.format_thread.shutdown()
 
-    def ready_engine(self) -> LLMEngine:
-        """The engine, once it can serve; OpenAIError 503 while it loads, warms up or has failed."""
-        engine_loop = self.engine_loop
-        if not engine_loop.ready.is_set():
-            raise OpenAIError(503, "the model is still loading" if engine_loop.load_error is None
+    def ready_engine(self) -> ModelInfo:
+        """The engine's model, once it can serve; OpenAIError 503 while it loads, warms up or has failed."""
+        client = self.client
+        if not client.ready.is_set():
+            raise OpenAIError(503, "the model is still loading" if client.load_error is None
                               else "the model failed to load (the server's log says why)")
-        if engine_loop.engine.failed is not None:
+        if client.engine_error is not None:
             raise OpenAIError(503, "the engine failed and cannot serve (the server's log says why)")
-        status = engine_loop.warmup_status
+        status = client.warmup_status
         if status is not None and not status.serving_ready:
             raise OpenAIError(503, f"the server is warming up: {status.ready} of {status.total} programs ready; "
                                    "it serves once the largest program of each kind is", code="warming_up")
-        return engine_loop.engine
+        return client.model_info
 
     def max_model_len(self) -> int | None:
         """The engine's, None while the model loads."""
-        return self.engine_loop.engine.max_model_len if self.engine_loop.ready.is_set() else None
+        return self.client.model_info.max_model_len if self.client.ready.is_set() else None
 
-    def admit(self, body: SamplingFields) -> LLMEngine:
+    def admit(self, body: SamplingFields) -> ModelInfo:
         """The engine, once the request's model, n and counts are known to be served."""
         self.served.check(body.model)
         if body.n is not None and body.n > self.max_n:
@@ -92,14 +95,14 @@ class OpenAIServing:
             await generation.start()
         except ValueError as exc:
             raise OpenAIError.bad_request(exc, renames) from exc
-        except Exception:  # noqa: BLE001 - the engine loop has logged it under the request id
+        except Exception:  # noqa: BLE001 - the engine's driver has logged it under the request id
             raise OpenAIError.internal(generation.request_id) from None
         if body.stream:
             return EventStream(generation.events(body.include_usage, body.continuous_usage),
                                on_close=generation.abort)
         try:
             result = await until_disconnected(request, asyncio.ensure_future(generation.response()))
-        except RequestFailed:  # logged by the engine loop
+        except RequestFailed:  # logged by the engine client
             raise OpenAIError.internal(generation.request_id) from None
         finally:
             generation.abort()

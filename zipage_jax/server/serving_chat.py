@@ -26,7 +26,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
         prompt = await preprocessor.run(preprocessor.chat_prompt, body, limit)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         most = max_tokens(len(prompt), requested, limit, limit - len(prompt), _PROMPT_PARAM)
-        tokenizer = serving.engine_loop.tokenizer
+        tokenizer = serving.client.tokenizer
         output = serving.chat_parsing.for_request(body.tools, body.tool_choice, prompt, tokenizer)
         structured = grammar(body.response_format, body.structured_outputs, body.tools, output.tool_choice,
                              body.parallel_tool_calls, output.tool_parser, output.reasoning)
@@ -37,6 +37,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
                                  structured, **keep_special)
         request_id = request.state.request_id
         builder = ChatBuilder(body.model, tokenizer, request_id, output)
-        generation = Generation(serving.engine_loop, [prompt], params, builder, request_id, reservation,
-                                serving.format_thread)
+        generation = Generation(serving.client, [prompt], params, builder, request_id, reservation,
+                                serving.format_thread, stream=bool(body.stream),
+                                stream_interval=serving.stream_interval)
         return await serving.respond(request, body, generation, renames)

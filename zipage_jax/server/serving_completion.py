@@ -37,7 +37,8 @@ async def create_completion(serving: OpenAIServing, request: Request) -> Respons
             texts = await preprocessor.run(preprocessor.prompt_texts, body.prompt, prompts)
             echo = Echo(texts, prompt_only=body.max_tokens == 0)
         request_id = request.state.request_id
-        builder = CompletionBuilder(body.model, serving.engine_loop.tokenizer, request_id)
-        generation = Generation(serving.engine_loop, prompts, params, builder, request_id, reservation,
-                                serving.format_thread, echo)
+        builder = CompletionBuilder(body.model, serving.client.tokenizer, request_id)
+        generation = Generation(serving.client, prompts, params, builder, request_id, reservation,
+                                serving.format_thread, echo, stream=bool(body.stream),
+                                stream_interval=serving.stream_interval)
         return await serving.respond(request, body, generation, renames)

@@ -17,10 +17,9 @@ from zipage_jax.server.serving import OpenAIServing
 def health(serving: OpenAIServing) -> JSONResponse:
     """{"status": "ok"} once the engine serves, else the 503 that says why."""
     try:
-        engine = serving.ready_engine()
-        if not engine.healthy:  # a failed engine is refused above
-            raise OpenAIError(503, getattr(engine, "unhealthy_reason",
-                                           "the engine is rebuilding its device state after a failed step"))
+        serving.ready_engine()
+        if not serving.client.healthy:  # a failed engine is refused above
+            raise OpenAIError(503, serving.client.unhealthy_reason)
     except OpenAIError as exc:
         return exc.response()
     return JSONResponse(Health(status="ok").body())

@@ -30,14 +30,24 @@ def compaction_tables(plans: list[CompressionPlan], b: int, w: int, num_query_sl
     query_ids = np.full(b, num_query_slots, np.int32)
     compressed = np.zeros(b, bool)
     for i, plan in enumerate(plans):
-        seq = plan.seq
         tables[i, :len(plan.source_table)] = plan.source_table
         targets[i, :len(plan.target_table)] = plan.target_table
         num_blocks[i] = len(plan.source_table)
-        query_ids[i] = seq.query_slot
-        compressed[i] = seq.compressed
-    rows = compress_rows([plan.seq.budget for plan in plans], b, [
-        RowSequence(seq.num_prompt_tokens, seq.num_computed_tokens - seq.num_kv_slots, seq.quote_end,
-                    in_prompt=seq.num_computed_tokens <= seq.num_prefill_tokens)
-        for seq in (plan.seq for plan in plans)])
+    n = len(plans)
+    # the sequences' counts, from their rows of the running batch in one gather each
+    seqs = [plan.seq for plan in plans]
+    batch = seqs[0].batch if seqs else None
+    if batch is not None and all(seq.batch is batch for seq in seqs):
+        at = np.array([seq.row for seq in seqs])
+        query_ids[:n] = batch.query_slot[at]
+        compressed[:n] = batch.compressed[at]
+        computed, kv, prefill = batch.num_computed_tokens[at], batch.num_kv_slots[at], batch.num_prefill_tokens[at]
+    else:
+        query_ids[:n] = [seq.query_slot for seq in seqs]
+        compressed[:n] = [seq.compressed for seq in seqs]
+        computed, kv, prefill = (np.array([getattr(seq, name) for seq in seqs], np.int64)
+                                 for name in ("num_computed_tokens", "num_kv_slots", "num_prefill_tokens"))
+    rows = compress_rows([seq.budget for seq in seqs], b, [
+        RowSequence(seq.num_prompt_tokens, int(c - k), seq.quote_end, in_prompt=bool(c <= p))
+        for seq, c, k, p in zip(seqs, computed, kv, prefill)])
     return CompactionTables(tables, num_blocks, query_ids, compressed, targets, rows)

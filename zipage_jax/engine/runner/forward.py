@@ -38,13 +38,17 @@ def layers_per_group(num_layers: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("stages", "replicated"), donate_argnames=("sampler",))
 def _embed(embed: list[jax.Array], sampler: SamplerState, inputs: StepInputs, sampling: SamplingBatch, *,
-           stages: DecoderStages, replicated) -> tuple[jax.Array, SamplerState]:
+           stages: DecoderStages, replicated) -> tuple[jax.Array, SamplerState, StepInputs, SamplingBatch]:
+    # returns the step's inputs and sampling rows too: on the device now, the layer groups and the
+    # head take them from here (one host-to-device copy per step, made by the call itself:
+    # jax.device_put costs far more host time)
     last_sampled = sampler.last_token[sampling.slot][:, None]  # [R, 1]
     tokens = jnp.where(inputs.tokens >= 0, inputs.tokens, last_sampled)  # [R, C]
     sampler = record_inputs(sampler, tokens, inputs.positions, inputs.kv_lens > 0, sampling.slot,
                             sampling.num_prompt, sampling.reset)
     x = stages.embed(embed, tokens)  # [R, C, E]
-    return _replicate(x, replicated), sampler
+    inputs, sampling = jax.tree.map(lambda a: _replicate(a, replicated), (inputs, sampling))
+    return _replicate(x, replicated), sampler, inputs, sampling
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "backend", "tp", "replicated"), donate_argnames=("kv",))
@@ -124,8 +128,7 @@ class StagedForward:
         head = self.head.get(key, p.head, x, state.sampler, sampling, prompt_targets, inputs.last_index)
 
         def step(state, inputs: StepInputs, sampling: SamplingBatch, prompt_targets):
-            inputs = jax.device_put(inputs, self.replicated)  # once, not once per program
-            x, sampler = embed(p.embed, state.sampler, inputs, sampling)
+            x, sampler, inputs, sampling = embed(p.embed, state.sampler, inputs, sampling)
             pools, queries = list(state.kv.pools), list(state.kv.queries)
             for i, group in enumerate(p.groups):
                 part = slice(i * g, (i + 1) * g)

@@ -1,11 +1,13 @@
-"""A forward step's host inputs, assembled from the scheduler's chunks: the rows each chunk takes
-(tokens, positions, KV slots, block tables, query-cache rows, prompt log-probability targets) and
-their sampling rows, packed into one batch of a compiled bucket. Untouched rows are padding: the
-dummy slot, nothing visible, the sampler's padding slot.
+"""A forward step's host inputs, assembled from the scheduler's decode rows and chunks: the rows
+each takes (tokens, positions, KV slots, block tables, query-cache rows, prompt log-probability
+targets) and their sampling rows, packed into one batch of a compiled bucket. Untouched rows are
+padding: the dummy slot, nothing visible, the sampler's padding slot.
 
-A chunk of n tokens takes ceil(n / c) rows of c tokens (c = 1: decode rows; prefill_row_size:
-prefill rows). Prompt log-probabilities are values too: each position's target token, -1 where
-none is asked (layers/prompt_logprobs.py).
+Decode rows (Scheduler.decode_mask) are gathered from the running batch's arrays in one go
+(`write_decode_rows`): no Python per row, but for a teacher-forced or constrained one. A chunk
+of n tokens takes ceil(n / c) rows of c tokens (c = 1: the decode step; prefill_row_size:
+prefill rows), built from its sequence (`chunk_rows`). Prompt log-probabilities are values too:
+each position's target token, -1 where none is asked (layers/prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from zipage_jax.engine.block_manager import DUMMY_BLOCK
 from zipage_jax.engine.pool_plan import KVPoolPlan
 from zipage_jax.engine.runner.results import PromptChunk
 from zipage_jax.engine.runner.sampling_batch import SamplingArrays, SamplingRow
+from zipage_jax.engine.running_batch import RunningBatch
 from zipage_jax.engine.scheduler import Chunk
 from zipage_jax.engine.sequence import Sequence, query_tail_start
 from zipage_jax.layers.paged_attention import StepInputs, uses_block_tables, xla_page_size
@@ -63,9 +66,10 @@ class StepBatch(NamedTuple):
     inputs: StepInputs
     sampling: SamplingBatch
     prompt_targets: np.ndarray  # [R, C] i32
-    chunks: list[Chunk]  # the chunks that sample
-    rows: list[int]  # the output row of each
+    rows: np.ndarray  # [n] the running-batch rows that sample
+    out_rows: np.ndarray  # [n] the output row of each
     prompt_chunks: list[PromptChunk]
+    constrained: bool  # a structured output's row samples: its next mask needs this token
 
 
 class InputLayout:
@@ -113,7 +117,7 @@ class InputLayout:
         suppress = () if step >= params.min_tokens else (
             tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos_token_ids))
         return SamplingRow(params=params, seed=seq.seed, step=step, suppress_ids=suppress,
-                           forced_id=forced[step] if step < len(forced) else -1, slot=seq.state_slot,
+                           forced_id=forced[step] if step < len(forced) else -1, slot=seq.row,
                            num_prompt_tokens=seq.num_prompt_tokens, reset=not seq.state_fresh and not seeded,
                            samples=chunk.samples, grammar=seq.grammar)
 
@@ -139,8 +143,8 @@ class InputLayout:
         tables = tables[:-(-(end + t) // (bs if by_block else self.page))]
         phys = seq.num_kv_slots + np.arange(n + t)  # the tail's slots follow the chunk's, in its scratch blocks
         # a PENDING token is read on the device
-        tokens = np.asarray(seq.token_ids[chunk.start:chunk.start + n]
-                            + seq.token_ids[chunk.tail_start:chunk.tail_start + t], np.int32)
+        tokens = np.asarray(seq.tokens(chunk.start, chunk.start + n)
+                            + seq.tokens(chunk.tail_start, chunk.tail_start + t), np.int32)
         slots = used[phys // bs] * bs + phys % bs
         query_index = np.full(n + t, pad_query, np.int32)
         if seq.query_slot is not None and t:
@@ -176,25 +180,71 @@ class InputLayout:
                                                          samples=srow.samples and last)))
         return rows
 
-    def batch(self, prepared: list[tuple[Chunk, ChunkRows]], num_rows: int, chunk_len: int) -> StepBatch:
-        """The chunks' rows packed in order into a step of `num_rows` rows (its bucket)."""
+    def write_decode_rows(self, inputs: InputArrays, sampling: SamplingArrays, rows: np.ndarray,
+                          running: RunningBatch) -> None:
+        """Step rows 0 .. len(rows) - 1 decode the running batch's `rows`: each its last token, at
+        its next KV slot, seeing its blocks in use; sampled with its request's options."""
+        n = len(rows)
+        if not n:
+            return
+        b, bs, ql = running, self.block_size, self.query_cache_len
+        kv, position = b.num_kv_slots[rows], b.num_computed_tokens[rows]
+        inputs.tokens[:n, 0] = b.tokens[rows, position]  # PENDING (-1): read on the device
+        inputs.positions[:n, 0] = position
+        inputs.slots[:n, 0] = b.block_table[rows, kv // bs] * bs + kv % bs
+        offset = kv % bs - b.query_tail[rows]  # its query is cached: the sequence may compress this block
+        query_slot = b.query_slot[rows]
+        inputs.query_index[:n, 0] = np.where((query_slot >= 0) & (offset >= 0), query_slot * ql + offset,
+                                             self.pad_query)
+        inputs.kv_lens[:n, 0] = kv + 1
+        tables = b.block_table[rows]  # [n, max_blocks]
+        if uses_block_tables(self.backend, 1):
+            used = -(-(kv + 1) // bs)
+        else:
+            per_block = bs // self.page
+            tables = (tables[:, :, None] * per_block + np.arange(per_block, dtype=np.int32)).reshape(n, -1)
+            used = -(-(kv + 1) // self.page)
+        width = tables.shape[1]
+        inputs.block_tables[:n, :width] = np.where(np.arange(width) < used[:, None], tables, DUMMY_BLOCK)
+        step = b.num_tokens[rows] - b.num_prompt[rows]
+        sampling.write_rows(n, running, rows, step)
+        for i in np.flatnonzero(b.forced[rows]):  # teacher forcing: its next forced token
+            forced = running.seqs[rows[i]].params.forced_token_ids
+            sampling.forced[i] = forced[step[i]] if step[i] < len(forced) else -1
+        for i in np.flatnonzero(b.constrained[rows]):
+            seq = running.seqs[rows[i]]
+            if seq.num_pending:
+                raise RuntimeError("a structured output's mask needs its last token, still on the device")
+            sampling.constrained.append((int(i), seq.grammar))
+
+    def batch(self, prepared: list[tuple[Chunk, ChunkRows]], num_rows: int, chunk_len: int,
+              decode_rows: np.ndarray | None = None, running: RunningBatch | None = None) -> StepBatch:
+        """The decode rows (a decode step's, gathered from `running`), then the chunks' rows in
+        order, packed into a step of `num_rows` rows (its bucket)."""
         inputs, sampling = self.arrays(num_rows, chunk_len)
+        rows = np.zeros(0, np.int64) if decode_rows is None else decode_rows
+        if len(rows):
+            self.write_decode_rows(inputs, sampling, rows, running)
         sampled, out_rows, prompt_chunks = [], [], []
-        i = 0
-        for chunk, rows in prepared:
+        i = len(rows)
+        for chunk, chunk_rows in prepared:
             if chunk.seq.computes_prompt_logprobs:
-                num_entries = sum(int(np.count_nonzero(values["prompt_targets"] >= 0)) for values, _ in rows)
+                num_entries = sum(int(np.count_nonzero(values["prompt_targets"] >= 0)) for values, _ in chunk_rows)
                 if num_entries:
                     prompt_chunks.append(PromptChunk(chunk, i, num_entries))
-            for values, srow in rows:
+            for values, srow in chunk_rows:
                 inputs.write(i, values)
                 sampling.set(i, srow)
                 i += 1
             if chunk.samples:
-                sampled.append(chunk)
+                sampled.append(chunk.seq.row)
                 out_rows.append(i - 1)
-        return StepBatch(inputs.step_inputs(), sampling.batch(), inputs.prompt_targets, sampled, out_rows,
-                         prompt_chunks)
+        constrained = bool(sampling.constrained)
+        sample_rows = np.concatenate([rows, np.asarray(sampled, np.int64)]) if sampled else rows
+        all_out = np.concatenate([np.arange(len(rows)), np.asarray(out_rows, np.int64)]) if out_rows \
+            else np.arange(len(rows))
+        return StepBatch(inputs.step_inputs(), sampling.batch(), inputs.prompt_targets, sample_rows, all_out,
+                         prompt_chunks, constrained)
 
 
 def _prompt_targets(chunk: Chunk) -> np.ndarray:
@@ -202,7 +252,7 @@ def _prompt_targets(chunk: Chunk) -> np.ndarray:
     computes prompt log-probabilities); -1 past the prompt's second-to-last position."""
     seq = chunk.seq
     targets = np.full(chunk.num_tokens, -1, np.int32)
-    predicted = seq.token_ids[chunk.start + 1:min(chunk.start + chunk.num_tokens + 1, seq.num_prompt_tokens)]
+    predicted = seq.tokens(chunk.start + 1, min(chunk.start + chunk.num_tokens + 1, seq.num_prompt_tokens))
     targets[:len(predicted)] = predicted
     return targets
 

@@ -1,10 +1,11 @@
 """The one door to the device: the donated device state, dispatch of the compiled steps, and
 fetching what they computed.
 
-Per engine step: (1) one compaction of the sequences that reached their budget, (2) one prefill
-step over the step's prefill rows, (3) one decode step. Each is dispatched without waiting and
-donates the state it updates; `dispatch` returns handles and `fetch` turns them into tokens, so
-the engine can schedule and dispatch step N+1 while the device runs step N.
+Per engine step (`execute`): (1) one compaction of the sequences that reached their budget, (2)
+one decode step over the step's decode rows, (3) one prefill step over its prefill rows. Each is
+dispatched without waiting and donates the state it updates; the runner keeps the dispatched
+steps' handles and reads their tokens a step later, so the engine schedules and dispatches step
+N+1 while the device runs step N.
 
 A forward step is three programs (embed, a group of layers called once per group, head:
 forward.py) and a compaction one program called per layer, so compile time does not grow with
@@ -21,8 +22,10 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -39,11 +42,12 @@ from zipage_jax.engine.runner.forward import StagedForward, layers_per_group
 from zipage_jax.engine.runner.grid import GridProgram, ProgramGrid
 from zipage_jax.engine.runner.inputs import ChunkRows, InputLayout
 from zipage_jax.engine.runner.programs import CompiledSteps, ProgramRecord
-from zipage_jax.engine.runner.results import PendingBatch, PromptLogprobsResult, RowFailure, StepResult
+from zipage_jax.engine.runner.results import FetchedStep, PendingBatch, PromptLogprobsResult, RowFailure, RunnerOutput
 from zipage_jax.engine.runner.sampling_batch import SamplingRow
 from zipage_jax.engine.runner.step_relay import LeaderRelay
 from zipage_jax.engine.runner.steps import DeviceState, compress_layer, seed_history
-from zipage_jax.engine.scheduler import Chunk
+from zipage_jax.engine.running_batch import RunningBatch
+from zipage_jax.engine.scheduler import Chunk, SchedulerOutput
 from zipage_jax.engine.sequence import Sequence
 from zipage_jax.engine.sharding import shard_model
 from zipage_jax.layers.kv_cache import KVState
@@ -55,9 +59,22 @@ from zipage_jax.models.decoder import stages
 from zipage_jax.models.loading import LoadedModel
 
 
+@dataclass
+class _InFlight:
+    """A dispatched step whose tokens the host has not read yet."""
+
+    batches: list[PendingBatch]
+    dispatched_at: float
+    num_prefill: int
+    num_decode: int
+    constrained: bool  # it samples a structured output's token: read at once (the next mask needs it)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, pool: KVPoolPlan, *,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), running: RunningBatch | None = None):
+        """running: the engine's running batch, whose decode rows the runner gathers (None: a
+        runner that only replays another process's calls)."""
         self.config, self.pool = config, pool
         loaded, self.tp = shard_model(loaded, config.tensor_parallel_size)
         self.model_config = mc = loaded.config
@@ -91,6 +108,9 @@ class ModelRunner:
         self.seeder = CompiledSteps("history", seed_history, store)
         self.grid = ProgramGrid(self.forward, self.compressor, self.seeder, config=config, pool=pool,
                                 layout=self.inputs, abstract_state=self.abstract_state)
+        self.running = running
+        self._in_flight: deque[_InFlight] = deque()
+        self._last_fetch = time.perf_counter()
         self.compress_seconds = 0.0  # measured with config.profile_compaction only
         self.relay: LeaderRelay | None = None  # set by LeaderRelay.attach on process 0 of a multi-process group
 
@@ -189,14 +209,53 @@ class ModelRunner:
             pools[i], queries[i] = layer.pools[0], layer.queries[0]
         self.state = self.state._replace(kv=KVState(tuple(pools), tuple(queries)))
 
-    # -- forward --------------------------------------------------------------------------
+    # -- a step ---------------------------------------------------------------------------
 
-    def dispatch(self, chunks: list[Chunk]) -> tuple[list[PendingBatch], list[RowFailure]]:
-        """Dispatches the step's decode rows and prefill rows (at most two compiled calls). A
-        chunk whose inputs cannot be built fails alone (RowFailure); the step runs without it."""
+    def execute(self, scheduled: SchedulerOutput) -> RunnerOutput:
+        """A step on the device: the compaction of the sequences at their budget, then the forward
+        of its decode rows and chunks dispatched without waiting, then the results of the steps
+        the host may read now: every one but this step's with asynchronous scheduling (the device
+        computes it while the host prepares the next), all of them when this step samples a
+        structured output's token (the next mask needs it)."""
+        if scheduled.compressions:
+            self.compress(scheduled.compressions)
+        failures: list[RowFailure] = []
+        if scheduled.chunks or len(scheduled.decode_rows):
+            batches, failures = self.dispatch(scheduled)
+            failed = {f.chunk.seq.request_id for f in failures}
+            dispatched = [c for c in scheduled.chunks if c.seq.request_id not in failed]
+            self._in_flight.append(_InFlight(
+                batches, time.perf_counter(),
+                num_prefill=sum(c.num_tokens for c in dispatched if c.num_tokens > 1),
+                num_decode=len(scheduled.decode_rows) + sum(1 for c in dispatched if c.num_tokens == 1),
+                constrained=any(b.constrained for b in batches)))
+        keep = 1 if self.config.async_scheduling and self._in_flight and not self._in_flight[-1].constrained \
+            and (scheduled.chunks or len(scheduled.decode_rows)) else 0
+        output = RunnerOutput(failures=failures)
+        while len(self._in_flight) > keep:
+            waiting = time.perf_counter()
+            output.fetched.append(self._fetch(self._in_flight.popleft()))
+            output.wait_seconds += time.perf_counter() - waiting
+        return output
+
+    def drop_in_flight(self) -> None:
+        """A step failed: the steps in flight are lost with the device state."""
+        self._in_flight.clear()
+
+    @property
+    def has_in_flight(self) -> bool:
+        """Some dispatched step still owes the host a token of a sequence that holds its row."""
+        running = self.running
+        return any(((running.epoch[b.rows] == b.epochs) & running.occupied[b.rows]).any()
+                   for step in self._in_flight for b in step.batches)
+
+    def dispatch(self, scheduled: SchedulerOutput) -> tuple[list[PendingBatch], list[RowFailure]]:
+        """Dispatches the step's decode rows and chunks (at most two compiled calls: the decode step
+        and the prefill step). A chunk whose inputs cannot be built fails alone (RowFailure); the
+        step runs without it."""
         failures: list[RowFailure] = []
         rows = []
-        for chunk in chunks:
+        for chunk in scheduled.chunks:
             try:
                 seeded = self.inputs.needs_history(chunk.seq)
                 if seeded:
@@ -204,34 +263,47 @@ class ModelRunner:
                 rows.append((chunk, self.inputs.sampling_row(chunk, seeded)))
             except Exception as exc:  # noqa: BLE001 - this request fails alone
                 failures.append(RowFailure(chunk, exc))
-        decoding_next = sum(c.num_tokens == 1 or c.samples for c, _ in rows)
+        decode_rows = scheduled.decode_rows
+        decoding_next = len(decode_rows) + sum(c.num_tokens == 1 or c.samples for c, _ in rows)
         if decoding_next:  # the next step's decode program builds beside this step
             self.prefetch_decode(decoding_next)
         pending = []
         for is_decode in (True, False):
             picked = [(c, r) for c, r in rows if (c.num_tokens + c.tail == 1) == is_decode]
-            if picked:
-                batch = self._dispatch_batch(picked, is_decode, failures)
+            lane = decode_rows if is_decode else None
+            if picked or (lane is not None and len(lane)):
+                batch = self._dispatch_batch(picked, is_decode, failures, lane)
                 if batch is not None:
                     pending.append(batch)
         return pending, failures
 
-    def fetch(self, batches: list[PendingBatch]) -> Iterator[StepResult | PromptLogprobsResult]:
-        """The sampled tokens and prompt log-probabilities of dispatched batches (waits for the
-        device); a batch's prompt log-probabilities come before its tokens."""
-        for batch in batches:
-            out = jax.device_get(batch.outputs)
+    def _fetch(self, step: _InFlight) -> FetchedStep:
+        """The tokens and prompt log-probabilities of a dispatched step (waits for the device); a
+        batch's prompt log-probabilities come before its tokens."""
+        prompt, parts = [], []
+        for batch in step.batches:
+            outputs = batch.outputs if batch.wants_logprobs else batch.outputs._replace(
+                top_ids=None, top_logprobs=None)  # read only what some row asked for
+            out = jax.device_get(outputs)
             if batch.prompt_chunks:
-                prompt = jax.device_get(batch.prompt_outputs)
+                outputs = jax.device_get(batch.prompt_outputs)
                 for p in batch.prompt_chunks:  # [R, C, ...] -> the chunk's [num_entries, ...]
-                    entries = [a[p.row:].reshape(-1, *a.shape[2:])[:p.num_entries] for a in prompt]
-                    yield PromptLogprobsResult(p.chunk, p.chunk.start + 1, *entries)
-            for chunk, row in zip(batch.chunks, batch.rows):
-                yield StepResult(chunk, int(out.token_ids[row]), float(out.logprobs[row]), out.top_ids[row],
-                                 out.top_logprobs[row])
+                    entries = [a[p.row:].reshape(-1, *a.shape[2:])[:p.num_entries] for a in outputs]
+                    prompt.append(PromptLogprobsResult(p.chunk, p.chunk.start + 1, *entries))
+            r, k = batch.out_rows, batch.outputs.top_ids.shape[1]
+            top_ids = out.top_ids[r] if batch.wants_logprobs else np.zeros((len(r), k), np.int32)
+            top_logprobs = out.top_logprobs[r] if batch.wants_logprobs else np.zeros((len(r), k), np.float32)
+            parts.append((batch.rows, batch.epochs, out.token_ids[r], out.logprobs[r], top_ids, top_logprobs))
+        now = time.perf_counter()
+        seconds = now - max(step.dispatched_at, self._last_fetch)
+        self._last_fetch = now
+        arrays = [np.concatenate(a) for a in zip(*parts)] if len(parts) > 1 else list(parts[0]) if parts else \
+            [np.zeros(0, np.int64)] * 6
+        return FetchedStep(*arrays, prompt_logprobs=prompt, num_prefill=step.num_prefill,
+                           num_decode=step.num_decode, seconds=seconds)
 
     def _dispatch_batch(self, picked: list[tuple[Chunk, SamplingRow]], is_decode: bool,
-                        failures: list[RowFailure]) -> PendingBatch | None:
+                        failures: list[RowFailure], decode_rows: np.ndarray | None) -> PendingBatch | None:
         chunk_len = 1 if is_decode else self.row_size
         prepared: list[tuple[Chunk, ChunkRows]] = []
         for chunk, srow in picked:
@@ -239,13 +311,15 @@ class ModelRunner:
                 prepared.append((chunk, self.inputs.chunk_rows(chunk, srow, chunk_len)))
             except Exception as exc:  # noqa: BLE001 - the request fails alone; the step goes on
                 failures.append(RowFailure(chunk, exc))
-        num_rows = sum(len(rows) for _, rows in prepared)
+        num_rows = sum(len(rows) for _, rows in prepared) + (0 if decode_rows is None else len(decode_rows))
         if num_rows == 0:
             return None
         key = self.grid.forward_key(is_decode, num_rows)
-        batch = self.inputs.batch(prepared, key[1], chunk_len)
+        batch = self.inputs.batch(prepared, key[1], chunk_len, decode_rows, self.running)
         outputs, prompt = self.run_forward(key, batch.inputs, batch.sampling, batch.prompt_targets)
-        return PendingBatch(batch.chunks, batch.rows, outputs, batch.prompt_chunks, prompt)
+        return PendingBatch(batch.rows, self.running.epoch[batch.rows], batch.out_rows, outputs,
+                            batch.prompt_chunks, prompt, batch.constrained,
+                            wants_logprobs=bool(batch.sampling.wants_logprobs.any()))
 
     def run_forward(self, key: tuple, inputs: StepInputs, sampling: SamplingBatch, prompt_targets: np.ndarray
                     ) -> tuple[SamplerOutput, PromptLogprobs]:
@@ -269,8 +343,8 @@ class ModelRunner:
         n = seq.num_computed_tokens
         key = self.grid.history_key(n)
         tokens = np.full((1, key[1]), -1, np.int32)
-        tokens[0, :n] = seq.token_ids[:n]
-        self.run_seed(key, np.array([seq.state_slot], np.int32), tokens, np.array([seq.num_prompt_tokens], np.int32))
+        tokens[0, :n] = seq.tokens(0, n)
+        self.run_seed(key, np.array([seq.row], np.int32), tokens, np.array([seq.num_prompt_tokens], np.int32))
 
     def run_seed(self, key: tuple, slot: np.ndarray, tokens: np.ndarray, num_prompt: np.ndarray) -> None:
         """The history-seeding program `key`: clears state slot `slot` and counts `tokens`."""

@@ -1,5 +1,6 @@
-"""What the runner hands back: a dispatched batch's device handles and, once fetched, each
-chunk's sampled token and prompt log-probabilities; the requests whose inputs could not be built.
+"""What the runner hands back: a dispatched batch's device handles and, once fetched, the tokens its
+rows sampled (by batch row, as arrays) and the chunks' prompt log-probabilities; the requests
+whose inputs could not be built.
 
 Host-only types (no jax): the scheduler applies them (Scheduler.update_from_output).
 """
@@ -9,23 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
+if TYPE_CHECKING:
     from zipage_jax.engine.scheduler import Chunk
     from zipage_jax.layers.prompt_logprobs import PromptLogprobs
     from zipage_jax.layers.sampler import SamplerOutput
-
-
-@dataclass
-class StepResult:
-    """The token a chunk sampled."""
-
-    chunk: Chunk
-    token_id: int
-    logprob: float
-    top_ids: np.ndarray  # [MAX_LOGPROBS]
-    top_logprobs: np.ndarray  # [MAX_LOGPROBS]
 
 
 @dataclass
@@ -50,14 +40,39 @@ class PromptChunk:
 
 @dataclass
 class PendingBatch:
-    """A dispatched forward step: the sampling chunks and the output row of each, and the chunks
-    with prompt log-probabilities."""
+    """A dispatched forward step: which running-batch rows sample, at which output row, and the
+    rows' epochs then (RunningBatch.epoch); the chunks with prompt log-probabilities."""
 
-    chunks: list[Chunk]
-    rows: list[int]
+    rows: np.ndarray  # [n] running-batch rows that sample
+    epochs: np.ndarray  # [n]
+    out_rows: np.ndarray  # [n] their rows of the outputs
     outputs: SamplerOutput  # device arrays, still being computed
     prompt_chunks: list[PromptChunk]
     prompt_outputs: PromptLogprobs  # device arrays, read only when prompt_chunks is not empty
+    constrained: bool = False  # a structured output's row samples
+    wants_logprobs: bool = False  # some row asked for log-probabilities: the top ones are read back
+
+
+@dataclass
+class FetchedStep:
+    """A dispatched step's results on the host: row `rows[i]` (epoch `epochs[i]`) sampled
+    `tokens[i]`; its prompt log-probabilities; what it computed and the seconds since the step
+    read before it."""
+
+    rows: np.ndarray  # [n]
+    epochs: np.ndarray  # [n]
+    tokens: np.ndarray  # [n] i32
+    token_logprobs: np.ndarray  # [n] f32
+    top_ids: np.ndarray  # [n, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # [n, MAX_LOGPROBS]
+    prompt_logprobs: list[PromptLogprobsResult] = field(default_factory=list)
+    num_prefill: int = 0
+    num_decode: int = 0
+    seconds: float = 0.0
+
+    def logprobs(self, picked: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(logprob, top ids, top logprobs) of the entries `picked`."""
+        return self.token_logprobs[picked], self.top_ids[picked], self.top_logprobs[picked]
 
 
 @dataclass
@@ -70,8 +85,10 @@ class RowFailure:
 
 @dataclass
 class RunnerOutput:
-    """What an engine step read back: results in the order `ModelRunner.fetch` yields them (a
-    batch's prompt log-probabilities before its tokens), and the rows its dispatch refused."""
+    """What a step did on the device and read back: the requests whose inputs it refused, the
+    earlier steps' results the host may read now (in dispatch order), and the seconds it waited
+    for them."""
 
-    results: list[StepResult | PromptLogprobsResult] = field(default_factory=list)
+    fetched: list[FetchedStep] = field(default_factory=list)
     failures: list[RowFailure] = field(default_factory=list)
+    wait_seconds: float = 0.0

@@ -1,4 +1,5 @@
-"""Host side of the sampler: one SamplingRow per sequence, packed into a SamplingBatch's arrays.
+"""Host side of the sampler: the running batch's rows (`write_rows`, arrays gathered by row) or one
+SamplingRow per chunk, packed into a SamplingBatch's arrays.
 
 Every array has a fixed shape per batch size ([B], suppress ids [B, S] with a fixed S, allowed-token
 bitmasks [B, Vp / 32]), so the compiled sampler never changes with the options requests carry.
@@ -12,6 +13,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from zipage_jax.engine.grammar import SequenceGrammar, fill_masks
+from zipage_jax.engine.running_batch import SAMPLER_OPTIONS, RunningBatch, sampler_option_arrays
 from zipage_jax.layers.sampler import SamplingBatch, mask_words
 from zipage_jax.sampling_params import SamplingParams
 
@@ -39,19 +41,11 @@ class SamplingArrays:
     def __init__(self, batch_size: int, suppress_width: int, pad_slot: int, vocab_size: int):
         b = batch_size
         self.vocab_size = vocab_size
-        self.temperature = np.zeros(b, np.float32)
-        self.top_k = np.zeros(b, np.int32)
-        self.top_p = np.ones(b, np.float32)
-        self.min_p = np.zeros(b, np.float32)
-        self.repetition_penalty = np.ones(b, np.float32)
-        self.presence_penalty = np.zeros(b, np.float32)
-        self.frequency_penalty = np.zeros(b, np.float32)
-        self.seed = np.zeros(b, np.uint32)
+        sampler_option_arrays(self, b)
         self.step = np.zeros(b, np.int32)
         self.suppress_ids = np.full((b, suppress_width), -1, np.int32)
         self.allowed = np.full((b, mask_words(vocab_size)), -1, np.int32)
         self.forced = np.full(b, -1, np.int32)
-        self.wants_logprobs = np.zeros(b, bool)
         self.slot = np.full(b, pad_slot, np.int32)
         self.num_prompt = np.zeros(b, np.int32)
         self.reset = np.zeros(b, bool)
@@ -67,6 +61,21 @@ class SamplingArrays:
             value = getattr(row, name)
             if not -1 <= value < 2**31:
                 raise ValueError(f"sampling row {name}={value} does not fit in int32")
+
+    def write_rows(self, n: int, running: RunningBatch, rows: np.ndarray, step: np.ndarray) -> None:
+        """Rows 0 .. n - 1 sample the next token of the running batch's `rows`, `step` output
+        tokens in: their requests' options, EOS and stop ids suppressed before min_tokens."""
+        b = running
+        for name in SAMPLER_OPTIONS:
+            getattr(self, name)[:n] = getattr(b, name)[rows]
+        self.step[:n] = step
+        early = step < b.min_tokens[rows]
+        if early.any():
+            suppress = self.suppress_ids.shape[1]
+            self.suppress_ids[:n][early] = b.suppress_ids[rows[early], :suppress]
+        self.slot[:n] = rows
+        self.num_prompt[:n] = b.num_prompt[rows]
+        self.samples[:n] = True
 
     def set(self, i: int, row: SamplingRow) -> None:
         """Row i from `row` (checked with `check`)."""

@@ -22,9 +22,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from zipage_jax.engine.runner.grid import GridProgram
+from zipage_jax.engine.stats import WarmupStatus
 
 logger = logging.getLogger("zipage_jax")
 
@@ -36,16 +36,6 @@ _POLL_S = 0.05
 def default_workers() -> int:
     """One compile thread per core, at most MAX_WORKERS."""
     return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
-
-
-@dataclass(frozen=True)
-class WarmupStatus:
-    total: int  # programs in the grid
-    ready: int  # built so far (compiled or loaded)
-    serving_ready: bool  # the serving set is built: every step can run without compiling
-    done: bool  # every program is built, failed, or skipped after `stop`
-    seconds: float  # since the warm-up started (to the end once done)
-    failed: int  # programs whose build raised (they compile again when a step needs them)
 
 
 class Warmup:
