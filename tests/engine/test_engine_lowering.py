@@ -30,9 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import kv_quant
 from zipage_jax.backend import Backend
-from zipage_jax.compress.policies import compress_rows
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.runner import forward
+from zipage_jax.engine.runner.compaction import padding_tables
 from zipage_jax.engine.runner.grid import bucket
 from zipage_jax.engine.runner.sampling_batch import SamplingArrays
 from zipage_jax.engine.runner.steps import DeviceState, compress_layer
@@ -149,10 +149,9 @@ class Engine:
     def lower_compress(self) -> str:
         b, w = COMPRESS_BATCH, COMPRESS_WIDTH[self.case.block_size]
         cfg = EngineConfig().compression
-        rows = self._abstract(compress_rows([], b))
+        blocks, per_row = self._abstract(padding_tables(b, w, MAX_NUM_SEQS))
         layer = KVState(self.state.kv.pools[:1], self.state.kv.queries[:1])
-        return lower_for_h200(compress_layer, layer, self._ints(b, w), self._ints(b), self._ints(b),
-                              self._ints(b, dtype=bool), self._ints(b, w), rows, mesh=self.mesh, cfg=cfg,
+        return lower_for_h200(compress_layer, layer, blocks, per_row, mesh=self.mesh, cfg=cfg,
                               backend=Backend.PALLAS, tp=self.tp, rope=())
 
     # -- what the kernels must see --------------------------------------------------------

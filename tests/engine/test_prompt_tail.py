@@ -51,12 +51,12 @@ def test_each_compaction_in_the_prompt_scores_with_the_prompts_last_queries(llm,
     seen = []
     compress = runner.compress
 
-    def capture(plans):
-        for plan in plans:
+    def capture(scheduled):
+        for plan in scheduled.all_compressions(runner.running):
             seq = plan.seq
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 seen.append((seq.num_computed_tokens, np.asarray(runner.state.kv.queries[0][seq.query_slot])))
-        compress(plans)
+        compress(scheduled)
 
     monkeypatch.setattr(runner, "compress", capture)
     out = llm.generate([prompt], greedy(), use_tqdm=False)[0]

@@ -12,7 +12,8 @@ from fake_device import FakeDevice, check_block_manager
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zipage_jax.engine.block_manager import BlockManager
+from zipage_jax.compress.quotes import advance_quote_end
+from zipage_jax.engine.block_manager import BlockManager, CompressionPlan
 from zipage_jax.engine.core_outputs import EngineCoreOutputs
 from zipage_jax.engine.runner.results import FetchedStep, PromptLogprobsResult, RowFailure, RunnerOutput
 from zipage_jax.engine.running_batch import RunningBatch
@@ -46,11 +47,8 @@ class Stepped:
 
     out: SchedulerOutput
     chunks: list[Chunk]
+    compressions: list[CompressionPlan]  # every compaction, in-place rows as plans
     result: EngineCoreOutputs
-
-    @property
-    def compressions(self):
-        return self.out.compressions
 
     @property
     def preempted(self):
@@ -98,8 +96,9 @@ class Loop:
         running, waiting = list(self.sched.running), list(self.sched.waiting)
         out = self.sched.schedule()
         chunks = out.all_chunks(self.sched.batch)
-        self._check_output(out, chunks, before, running, waiting)
-        for plan in out.compressions:
+        plans = out.all_compressions(self.sched.batch)
+        self._check_output(out, chunks, plans, before, running, waiting)
+        for plan in plans:
             self.device.check_query_tail(plan.seq, self.observed.pop(plan.seq, None))
             self.device.compact(plan)
             self.compactions.append((plan.seq, plan.seq.num_computed_tokens))
@@ -120,9 +119,9 @@ class Loop:
         assert sorted(s.seq_id for s in sampled) == sorted(c.seq.seq_id for c in chunks if c.samples)
         tokens = [self.rng.randrange(3) for _ in sampled]  # they arrive at once (synchronous scheduling)
         result = self.sched.update_from_output(out, RunnerOutput(fetched=[fetched(self.sched, rows, tokens)]))
-        self._check_result(out, result, before, sampled, tokens)
+        self._check_result(plans, result, before, sampled, tokens)
         self.check_state()
-        stepped = Stepped(out, chunks, result)
+        stepped = Stepped(out, chunks, plans, result)
         self.history.append(stepped)
         return stepped
 
@@ -136,7 +135,7 @@ class Loop:
 
     # -- checks ---------------------------------------------------------------------------------
 
-    def _check_output(self, out, chunks, before, running, waiting) -> None:
+    def _check_output(self, out, chunks, plans, before, running, waiting) -> None:
         sched, bs = self.sched, self.bs
         assert sum(c.num_tokens + c.tail for c in chunks) <= sched.max_num_batched_tokens
         rows = sum(-(-c.num_tokens // sched.prefill_row_size) + -(-c.tail // sched.prefill_row_size)
@@ -179,12 +178,12 @@ class Loop:
         queue = list(reversed(out.preempted)) + waiting
         assert admitted == queue[:len(admitted)], "admission is not FCFS"
         # compression exactly when all blocks are full and the next token needs a new one
-        planned = [p.seq for p in out.compressions]
+        planned = [p.seq for p in plans]
         assert len(planned) == len(set(planned)) <= sched.max_compress_seqs
         for s in remaining:
             if before[s]["full"] and not before[s]["compressing"]:
                 assert s not in [c.seq for c in chunks], "grows past its budget"
-        for plan in out.compressions:
+        for plan in plans:
             seq, m = plan.seq, plan.seq.budget_blocks
             assert before[seq]["full"] and not before[seq]["compressing"] and seq.compressing
             assert plan.source_table == seq.block_table and len(plan.target_table) == m + 1
@@ -195,7 +194,7 @@ class Loop:
             kept = [b for b in plan.source_table if b in plan.target_table]
             assert sorted(plan.release) == sorted(b for b in plan.source_table if b not in kept)
 
-    def _check_result(self, out, result, before, sampled, tokens) -> None:
+    def _check_result(self, plans, result, before, sampled, tokens) -> None:
         """What the update handed back: every token sampled (none left pending: they arrived at
         once), the sequences that reached their length, the compactions and what they evicted."""
         assert result.seq_ids.tolist() == [s.seq_id for s in sampled] and result.token_ids.tolist() == tokens
@@ -204,9 +203,8 @@ class Loop:
         assert [(f.seq_id, f.reason, f.stop_reason) for f in result.finished] == \
             [(s.seq_id, "length", None) for s in done]
         assert all(s.is_finished and s.finish_reason == "length" for s in done)
-        assert result.compressed == [p.seq.seq_id for p in out.compressions]
-        assert result.kv_tokens_evicted == sum(before[p.seq]["kv"] - p.seq.budget_blocks * self.bs
-                                               for p in out.compressions)
+        assert result.compressed == [p.seq.seq_id for p in plans]
+        assert result.kv_tokens_evicted == sum(before[p.seq]["kv"] - p.seq.budget_blocks * self.bs for p in plans)
         assert not result.failures
 
     def check_state(self) -> None:
@@ -343,17 +341,20 @@ def test_compression_happens_exactly_when_the_budget_is_full():
     bs, m = 4, 2
     loop = Loop(16, bs, query_cache_len=2)
     seq = loop.add(prompt(5, 0), max_tokens=10 * (m + 1) * bs, budget=m)
-    compressed_at = []
+    compressed_at, kinds = [], []
     while loop.sched.has_unfinished():
         out = loop.step()
         if out.compressions:
             assert [p.seq for p in out.compressions] == [seq] and not out.chunks
             compressed_at.append(seq.num_computed_tokens)
+            kinds.append("plan" if out.out.compressions else "in place")
             assert seq.num_kv_slots == m * bs and len(seq.block_table) == m + 1
         assert len(seq.block_table) <= m + 1
     last = 5 + 10 * (m + 1) * bs - 2  # position of the last computed token
     expected = list(range((m + 1) * bs, last + 1, bs))
     assert compressed_at == expected
+    # once compressed, every block is its own and unhashed: it compacts in place, with no plan
+    assert kinds == ["plan"] + ["in place"] * (len(expected) - 1)
     assert seq.metrics.num_compressions == len(expected)
     assert seq.metrics.kv_tokens_evicted == len(expected) * bs
     loop.check_all_freed()
@@ -933,3 +934,27 @@ def test_prompt_logprobs_mark_how_far_the_prompt_has_arrived():
     rest = arrived(results[1:] + results[:1])  # one arrives again: dropped
     assert rest.prompt_logprobs == entries(results[1:])
     assert seq.num_prompt_logprobs == 7 and not seq.computes_prompt_logprobs
+
+
+def test_each_compaction_first_advances_how_far_the_answer_quoted_its_prompt():
+    # an answer that restates its prompt: before each compaction (planned or in place) the
+    # sequence's quote end is compress/quotes.py's, over the answer known then
+    bs, m = 4, 2
+    loop = Loop(32, bs, query_cache_len=2)
+    p = list(range(100, 140))  # distinct ids: each 4-gram occurs once
+    budget = dataclasses.replace(zipage_budget(m, bs, 2), prompt_reserve=2)
+    seq = Sequence(list(p), bs, budget=budget, query_cache_len=2, max_len=len(p) + 30)
+    loop.max_tokens[seq] = 30
+    loop.seqs.append(seq)
+    loop.sched.add(seq)
+    answer = iter(p)
+    loop.rng = type("Restating", (), {"randrange": lambda self, _: next(answer)})()
+    expected, kinds = 0, []
+    while loop.sched.has_unfinished():
+        known = seq.token_ids
+        stepped = loop.step()
+        if stepped.compressions:
+            expected = advance_quote_end(p, known[len(p):], expected)
+            assert seq.quote_end == expected
+            kinds.append("plan" if stepped.out.compressions else "in place")
+    assert expected > 4 and kinds[:2] == ["plan", "in place"]

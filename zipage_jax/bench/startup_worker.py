@@ -152,6 +152,12 @@ def program_summary(runner) -> dict:
     return summarize_compile_seconds(steps, getattr(runner, "num_compiles", None))
 
 
+def _runner(engine):
+    """The engine's model runner: under its engine core, or on the engine itself in a tree from before the
+    engine core (the default baseline)."""
+    return getattr(engine, "core", engine).runner
+
+
 def _work_first_token(spec: dict) -> dict:
     stamps = {}
     from zipage_jax import LLM, SamplingParams
@@ -159,7 +165,7 @@ def _work_first_token(spec: dict) -> dict:
     stamps["imported"] = time.time()
     llm = LLM(spec["model"], **spec["options"])
     stamps["engine_ready"] = time.time()
-    runner = llm.engine.core.runner
+    runner = _runner(llm.engine)
     at_first, texts, tokens = None, [], 0
     for out in llm.stream(spec["prompt"], SamplingParams(temperature=0, max_tokens=spec["max_tokens"])):
         for o in out.outputs:
@@ -184,8 +190,8 @@ def _work_warmup(spec: dict) -> dict:
     status = getattr(engine, "warmup_status", None)
     if status is not None:
         status = {k: getattr(status, k) for k in ("total", "ready", "serving_ready", "done", "seconds", "failed")}
-    return {"stamps": stamps, "warmup_status": status, "grid_programs": len(engine.core.runner.step_grid()),
-            "programs": program_summary(engine.core.runner), "zipage_jax": _package_file()}
+    return {"stamps": stamps, "warmup_status": status, "grid_programs": len(_runner(engine).step_grid()),
+            "programs": program_summary(_runner(engine)), "zipage_jax": _package_file()}
 
 
 def _grid_entry(program) -> tuple[str, tuple, object]:
@@ -249,9 +255,9 @@ def _work_qwen3(spec: dict) -> dict:
     from zipage_jax.models.loading import LoadedModel
 
     try:
-        from zipage_jax.engine.core.runner.model_runner import ModelRunner
+        from zipage_jax.engine.runner.model_runner import ModelRunner
     except ModuleNotFoundError:  # a tree from before engine/runner/ became a package (the default baseline)
-        from zipage_jax.engine.core.runner import ModelRunner
+        from zipage_jax.engine.runner import ModelRunner
 
     stamps["imported"] = time.time()
     fields = dict(spec["model_config"], eos_token_ids=tuple(spec["model_config"]["eos_token_ids"]), rope_scaling=None)

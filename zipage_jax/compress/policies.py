@@ -178,17 +178,26 @@ def compress_rows(budgets: list[KVBudget | None], batch_size: int | None = None,
                   sequences: list[RowSequence] | None = None) -> CompressRows:
     """Host arrays for a compression batch, padded to `batch_size` rows; padding rows (and None)
     keep nothing. `sequences` (default: prompts of 0 tokens, nothing evicted) pairs with `budgets`."""
-    rows = CompressRows(*(np.zeros(batch_size or len(budgets), np.int32) for _ in CompressRows._fields))
-    for i, budget in enumerate(budgets):
-        if budget is not None:
-            rows.budget[i], rows.sinks[i], rows.recent[i] = budget.tokens, budget.sinks, budget.recent
-            rows.score[i], rows.prompt_reserve[i] = budget.policy.score, budget.prompt_reserve
-            if sequences is not None:
-                seq = sequences[i]
-                rows.prompt_len[i], rows.position_offset[i], rows.quote_end[i] = seq.prompt_len, seq.evicted, \
-                    seq.quote_end
-                rows.in_prompt[i] = seq.in_prompt
-                # a reserve the prompt cannot fill goes to the recent window (a short prompt,
-                # teacher-forced text): the protected tokens never exceed the admitted ones
-                rows.recent[i] += max(0, budget.prompt_reserve - max(seq.prompt_len, budget.sinks))
+    rows = CompressRows(*np.zeros((len(CompressRows._fields), batch_size or len(budgets)), np.int32))
+    live = [i for i, budget in enumerate(budgets) if budget is not None]
+    picked = [budgets[i] for i in live]
+    seqs = [sequences[i] for i in live] if sequences is not None else [RowSequence(0, 0)] * len(live)
+    set_compress_rows(
+        rows, np.asarray(live, np.int64),
+        budget=[b.tokens for b in picked], sinks=[b.sinks for b in picked], recent=[b.recent for b in picked],
+        score=[int(b.policy.score) for b in picked], prompt_reserve=[b.prompt_reserve for b in picked],
+        prompt_len=[q.prompt_len for q in seqs], position_offset=[q.evicted for q in seqs],
+        quote_end=[q.quote_end for q in seqs], in_prompt=[q.in_prompt for q in seqs],
+        unfilled_reserve_to_recent=sequences is not None)
     return rows
+
+
+def set_compress_rows(rows: CompressRows, at: np.ndarray | slice, unfilled_reserve_to_recent: bool = True,
+                      **fields) -> None:
+    """Sets rows `at` of `rows` from `fields` (one value per row for every field of CompressRows)."""
+    for name in CompressRows._fields:
+        getattr(rows, name)[at] = fields[name]
+    if unfilled_reserve_to_recent:
+        # a reserve the prompt cannot fill goes to the recent window (a short prompt, teacher-forced
+        # text): the protected tokens never exceed the admitted ones
+        rows.recent[at] += np.maximum(0, rows.prompt_reserve[at] - np.maximum(rows.prompt_len[at], rows.sinks[at]))

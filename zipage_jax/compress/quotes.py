@@ -23,12 +23,21 @@ def advance_quote_end(prompt: Sequence[int], answer: Sequence[int], quote_end: i
     answer's tail is not a stretch of the prompt there."""
     if len(answer) < n or len(prompt) < n:
         return quote_end
+    return find_quote_end(as_bytes(prompt), as_bytes(answer[-n:]), quote_end)
+
+
+def find_quote_end(prompt: bytes, tail: bytes, quote_end: int) -> int:
+    """`advance_quote_end` of a prompt and the answer's last n tokens given as `as_bytes`."""
     # a byte search over the ids as int64 (a match must start at a whole id): no Python per token
-    haystack = np.asarray(prompt, np.int64).tobytes()
-    needle = np.asarray(answer[-n:], np.int64).tobytes()
+    n = len(tail) // 8
     at = max(0, quote_end - n) * 8  # a match that ends at or after quote_end starts here or later
-    while (at := haystack.find(needle, at)) >= 0:
+    while (at := prompt.find(tail, at)) >= 0:
         if at % 8 == 0:
             return at // 8 + n
         at += 1
     return quote_end
+
+
+def as_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as the quote search reads them (int64 bytes)."""
+    return np.asarray(token_ids, np.int64).tobytes()

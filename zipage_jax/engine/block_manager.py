@@ -138,7 +138,8 @@ class BlockManager:
         checked that enough are free."""
         return self.take_free_blocks(num_blocks)
 
-    def free_scratch(self, block_ids: list[int]) -> None:
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Drops one reference to each of `block_ids` (a tail's scratch blocks, blocks past a budget)."""
         for block_id in block_ids:
             self._release(block_id)
 

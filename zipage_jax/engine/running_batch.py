@@ -46,7 +46,8 @@ def sampler_option_arrays(owner: object, num_rows: int) -> None:
 # the running fields a sequence keeps in its row (Sequence's RowField descriptors), by dtype
 ROW_FIELDS = {"num_tokens": np.int64, "num_pending": np.int64, "num_computed_tokens": np.int64,
               "num_kv_slots": np.int64, "num_hashed_blocks": np.int64, "num_prefill_tokens": np.int64,
-              "state_fresh": bool, "compressed": bool, "query_slot": np.int64}
+              "state_fresh": bool, "compressed": bool, "compressing": bool, "query_slot": np.int64,
+              "quote_end": np.int64}
 
 
 class RunningBatch:
@@ -74,6 +75,11 @@ class RunningBatch:
         self.max_len = np.zeros(r, np.int64)
         self.budget_blocks = np.full(r, -1, np.int64)  # -1: full KV
         self.budget_tokens = np.zeros(r, np.int64)
+        # the rest of its KVBudget (compress/policies.py), what a compaction's CompressRows reads
+        self.budget_sinks = np.zeros(r, np.int64)
+        self.budget_recent = np.zeros(r, np.int64)
+        self.budget_score = np.zeros(r, np.int64)
+        self.budget_reserve = np.zeros(r, np.int64)
         self.query_tail = np.zeros(r, np.int64)  # first in-block offset whose query is cached
         self.min_tokens = np.zeros(r, np.int64)
         self.max_tokens = np.zeros(r, np.int64)
@@ -163,6 +169,9 @@ class RunningBatch:
         self.num_prompt[row], self.max_len[row] = seq.num_prompt_tokens, seq.max_len
         self.budget_blocks[row] = -1 if budget is None else budget.blocks
         self.budget_tokens[row] = 0 if budget is None else budget.tokens
+        if budget is not None:
+            self.budget_sinks[row], self.budget_recent[row] = budget.sinks, budget.recent
+            self.budget_score[row], self.budget_reserve[row] = int(budget.policy.score), budget.prompt_reserve
         self.query_tail[row] = seq.block_size - seq.query_cache_len
         self.seq_id[row] = seq.seq_id
         self.constrained[row] = seq.grammar is not None

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from zipage_jax.compress.quotes import QUOTE_NGRAM, find_quote_end
 from zipage_jax.engine.block_manager import BlockManager, CompressionPlan
 from zipage_jax.engine.core_outputs import EngineCoreOutputs, FinishedSequence
 from zipage_jax.engine.prompt_compaction import PromptCompaction
@@ -68,11 +69,29 @@ class SchedulerOutput:
     compressions: list[CompressionPlan] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)  # prefill chunks, and decodes that are not rows
     decode_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # batch rows: one token each
+    # batch rows compacting in place (compressed before: every block their own, none hashed), no plan
+    compact_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.chunks or self.compressions or len(self.decode_rows))
+        return not (self.chunks or self.compressions or len(self.decode_rows) or len(self.compact_rows))
+
+    def compaction_rows(self) -> np.ndarray:
+        """The rows of every compaction of the step: the plans' first, then the in-place ones."""
+        return np.concatenate([np.array([p.seq.row for p in self.compressions], np.int64), self.compact_rows])
+
+    def all_compressions(self, batch: RunningBatch) -> list[CompressionPlan]:
+        """Every compaction of the step as a plan, the in-place rows' after the others (for tests
+        and tools that look at a step as a whole; the engine reads those rows as arrays). Call it
+        before the step's update: the update gives the sequences their targets."""
+        plans = list(self.compressions)
+        for row in self.compact_rows.tolist():
+            table = batch.block_table[row, :batch.num_blocks[row]].tolist()
+            keep = int(batch.budget_blocks[row]) + 1
+            plans.append(CompressionPlan(seq=batch.seqs[row], source_table=table, target_table=table[:keep],
+                                         release=table[keep:]))
+        return plans
 
     def all_chunks(self, batch: RunningBatch) -> list[Chunk]:
         """Every chunk of the step, decode rows as one-token chunks after the others (for tests and
@@ -261,15 +280,47 @@ class Scheduler:
         out.decode_rows = np.concatenate([out.decode_rows, rows[picked]])
         budget.tokens -= int(np.count_nonzero(picked))
         held = self.output_lag > MAX_OUTPUT_LAG
-        for row in rows[~picked & ~decode & (b.num_tokens[rows] < b.max_len[rows])]:  # waiting for its last token
+        rest = rows[~picked & ~decode & (b.num_tokens[rows] < b.max_len[rows])]  # waiting for its last token
+        if held:
+            rest = rest[~b.held[rest] | (b.num_computed_tokens[rest] < b.num_prefill_tokens[rest])]
+        in_place = self._compacts_in_place(rest)
+        self._compact_in_place(rest[in_place], out)
+        for row in rest[~in_place]:
             if budget.tokens == 0:
                 break
             seq = b.seqs[row]
             if seq is None or seq.status != SequenceStatus.RUNNING or row in out.decode_rows:
                 continue  # preempted earlier in this loop
-            if held and b.held[row] and not self._in_prompt(seq):
-                continue  # its stop strings wait for the output stage
             self._schedule_one(seq, out, budget)
+
+    def _compacts_in_place(self, rows: np.ndarray) -> np.ndarray:
+        """Which of `rows` compact now with no plan: past their prompt, compressed before (so
+        every block is their own and unhashed: a plan would keep their first M + 1 blocks),
+        every block full at their budget and the next block after it (`_needs_compression`)."""
+        b, bs = self.batch, self.block_manager.block_size
+        m, blocks = b.budget_blocks[rows], b.num_blocks[rows]
+        return (b.compressed[rows] & ~b.compressing[rows] & (m >= 0) & (blocks >= m + 1)
+                & (b.num_kv_slots[rows] == blocks * bs) & (b.num_computed_tokens[rows] >= b.num_prefill_tokens[rows]))
+
+    def _compact_in_place(self, rows: np.ndarray, out: SchedulerOutput) -> None:
+        """As many of `rows` as the step has compactions left for: they decode once it lands."""
+        rows = rows[:max(0, self.max_compress_seqs - len(out.compressions) - len(out.compact_rows))]
+        if len(rows):
+            self.batch.compressing[rows] = True
+            self._advance_quotes(rows)
+            out.compact_rows = np.concatenate([out.compact_rows, rows])
+
+    def _advance_quotes(self, rows: np.ndarray) -> None:
+        """Before their compaction: how far each answer has quoted its prompt, for budgets with a
+        prompt reserve (compress/quotes.py advance_quote_end, the answers' last tokens by row)."""
+        b, n = self.batch, QUOTE_NGRAM
+        rows = rows[b.budget_reserve[rows] > 0]
+        known = b.num_tokens[rows] - b.num_pending[rows]
+        searched = (known - b.num_prompt[rows] >= n) & (b.num_prompt[rows] >= n)
+        rows, known = rows[searched], known[searched]
+        tails = b.tokens[rows[:, None], known[:, None] - n + np.arange(n)].astype(np.int64)  # [R, n]
+        for row, tail, end in zip(rows.tolist(), tails, b.quote_end[rows].tolist()):
+            b.quote_end[row] = find_quote_end(b.seqs[row].prompt_bytes(), tail.tobytes(), end)
 
     def _grow(self, rows: np.ndarray) -> None:
         """One more block for each of `rows` (decode rows whose blocks are full)."""
@@ -281,13 +332,13 @@ class Scheduler:
 
     def _schedule_one(self, seq: Sequence, out: SchedulerOutput, budget: StepBudget) -> None:
         if self._needs_compression(seq):
-            if len(out.compressions) < self.max_compress_seqs:
+            if len(out.compressions) + len(out.compact_rows) < self.max_compress_seqs:
                 plan = self.block_manager.plan_compression(seq)
                 while plan is None and self._preempt_for(seq, out):  # blocks to replace shared ones
                     plan = self.block_manager.plan_compression(seq)
                 if plan is not None:
                     seq.compressing = True
-                    seq.advance_quote()
+                    self._advance_quotes(np.array([seq.row]))
                     out.compressions.append(plan)
             return  # decodes once the compaction has landed (next step)
         n = self._chunk_size(seq, budget)
@@ -464,7 +515,7 @@ class Scheduler:
     def release_tail(self, chunk: Chunk) -> None:
         """The step that ran the chunk's tail was dispatched (or dropped): its scratch blocks are
         free again (every later write is dispatched after it, and the device runs them in order)."""
-        self.block_manager.free_scratch(chunk.tail_blocks)
+        self.block_manager.release_blocks(chunk.tail_blocks)
         chunk.tail_blocks = []
 
     def update_from_output(self, scheduled: SchedulerOutput, output: RunnerOutput) -> EngineCoreOutputs:
@@ -479,7 +530,7 @@ class Scheduler:
         stop token id past min_tokens ("stop"), a completed grammar ("stop"), max_tokens or the
         length limit ("length")."""
         out = EngineCoreOutputs()
-        self._finish_compressions(scheduled.compressions, out)
+        self._finish_compressions(scheduled, out)
         failed = {f.chunk.seq.request_id for f in output.failures}  # the whole request fails
         for chunk in scheduled.chunks:
             self.release_tail(chunk)
@@ -493,19 +544,30 @@ class Scheduler:
         self._commit_full_blocks(self.running_rows)  # blocks now full of known tokens, by row
         return out
 
-    def _finish_compressions(self, plans: list[CompressionPlan], out: EngineCoreOutputs) -> None:
-        """The step that compacts them has been dispatched."""
-        for plan in plans:
-            seq = plan.seq
-            kept = seq.budget.tokens
-            evicted = seq.num_kv_slots - kept
+    def _finish_compressions(self, scheduled: SchedulerOutput, out: EngineCoreOutputs) -> None:
+        """The step that compacts them has been dispatched: each sequence owns its targets (an
+        in-place row, its first M + 1 blocks) and keeps its budget's tokens."""
+        if not scheduled.compressions and not len(scheduled.compact_rows):
+            return
+        for plan in scheduled.compressions:
             self.block_manager.finish_compression(plan)
-            seq.num_kv_slots = kept
-            seq.compressed, seq.compressing = True, False
-            seq.metrics.num_compressions += 1
-            seq.metrics.kv_tokens_evicted += evicted
-            out.kv_tokens_evicted += evicted
-            out.compressed.append(seq.seq_id)
+        rows, b = scheduled.compact_rows, self.batch
+        keep = b.budget_blocks[rows] + 1
+        past = b.num_blocks[rows] > keep
+        for row, n in zip(rows[past].tolist(), keep[past].tolist()):  # rare: more blocks than M + 1
+            self.block_manager.release_blocks(b.block_table[row, n:b.num_blocks[row]].tolist())
+            b.set_block_table(row, b.block_table[row, :n].tolist())
+        rows = scheduled.compaction_rows()
+        kept = b.budget_tokens[rows]
+        evicted = b.num_kv_slots[rows] - kept
+        b.num_kv_slots[rows] = kept
+        b.compressed[rows], b.compressing[rows] = True, False
+        for row, n in zip(rows.tolist(), evicted.tolist()):
+            metrics = b.seqs[row].metrics
+            metrics.num_compressions += 1
+            metrics.kv_tokens_evicted += n
+        out.kv_tokens_evicted += int(evicted.sum())
+        out.compressed += b.seq_id[rows].tolist()
 
     def _commit(self, chunk: Chunk) -> None:
         """The chunk was dispatched: its K/V are in the pool for every later step, and its

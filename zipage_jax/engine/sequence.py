@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from zipage_jax.compress.policies import KVBudget
-from zipage_jax.compress.quotes import QUOTE_NGRAM, advance_quote_end
+from zipage_jax.compress.quotes import as_bytes
 
 if TYPE_CHECKING:
     from zipage_jax.engine.running_batch import RunningBatch
@@ -94,7 +94,9 @@ class Sequence:
     num_prefill_tokens = RowField()
     state_fresh = RowField()  # the state row was cleared and seeded for this admission
     compressed = RowField()
+    compressing = RowField()  # a compaction is planned (it lands with the step that runs it)
     query_slot = RowField()  # row of the query cache while it may compress, else None
+    quote_end = RowField()  # the answer has quoted its prompt up to this position (compress/quotes.py)
 
     def __init__(self, token_ids: list[int], block_size: int, *, budget: KVBudget | None = None, params=None,
                  grammar=None, request_id: str = "", index: int = 0, parent: Sequence | None = None,
@@ -110,7 +112,7 @@ class Sequence:
         self._block_table: list[int] = []
         self._num_tokens = len(self._tokens)
         self._num_pending = self._num_computed_tokens = self._num_kv_slots = self._num_hashed_blocks = 0
-        self._state_fresh = self._compressed = False
+        self._state_fresh = self._compressed = self._compressing = False
         self._query_slot = None
         self.block_size, self.budget, self.params, self.grammar = block_size, budget, params, grammar
         self.request_id, self.index, self.parent = request_id, index, parent
@@ -118,9 +120,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_prompt_tokens = num_prompt_tokens or len(self._tokens)
         self._num_prefill_tokens = self.num_prompt_tokens
-        self.compressing = False
-        self.quote_end = 0  # the answer has quoted its prompt up to this position (compress/quotes.py)
-        self._prompt_array: np.ndarray | None = None
+        self._quote_end = 0
+        self._prompt_bytes: bytes | None = None
         # its prefill computes the prompt's log-probabilities (so it takes no prefix-cache hit),
         # until the host has them all
         self.computes_prompt_logprobs = computes_prompt_logprobs
@@ -272,17 +273,11 @@ class Sequence:
         start = max(self.num_kv_slots, self.budget.tokens)
         return max(start, (start // bs) * bs + query_tail_start(bs, self.query_cache_len))
 
-    def advance_quote(self) -> None:
-        """Before a compaction: how far the answer has quoted the prompt so far, for a budget
-        with a prompt reserve (compress/quotes.py)."""
-        if self.budget is None or not self.budget.prompt_reserve:
-            return
-        known, prompt = self.num_tokens - self.num_pending, self.num_prompt_tokens
-        if known > prompt:
-            if self._prompt_array is None:  # the prompt never changes: kept once
-                self._prompt_array = np.array(self.token_array(0, prompt))
-            tail = self.token_array(max(prompt, known - QUOTE_NGRAM), known)  # all the quote needs of the answer
-            self.quote_end = advance_quote_end(self._prompt_array, tail, self.quote_end)
+    def prompt_bytes(self) -> bytes:
+        """The prompt as the quote search reads it (compress/quotes.py; kept once: the prompt never changes)."""
+        if self._prompt_bytes is None:
+            self._prompt_bytes = as_bytes(self.token_array(0, self.num_prompt_tokens))
+        return self._prompt_bytes
 
     def reset_for_recompute(self) -> None:
         """Forget all KV, keep the tokens generated so far: they are computed again as a prompt

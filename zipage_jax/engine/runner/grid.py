@@ -22,7 +22,7 @@ import numpy as np
 from pallas_kernels.tiling import next_power_of_two
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.pool_plan import KVPoolPlan
-from zipage_jax.engine.runner.compaction import compaction_tables
+from zipage_jax.engine.runner.compaction import padding_tables
 from zipage_jax.engine.runner.forward import StagedForward
 from zipage_jax.engine.runner.inputs import InputLayout
 from zipage_jax.engine.runner.programs import CompiledSteps, ProgramRecord
@@ -134,7 +134,7 @@ class ProgramGrid:
 
     def _compile_compress(self, b: int, w: int) -> None:
         kv = self.abstract_state.kv
-        tables = compaction_tables([], b, w, self.layout.num_query_slots)
+        tables = padding_tables(b, w, self.layout.num_query_slots)
         self.compressor.get(("batch", b, "blocks", w), KVState(kv.pools[:1], kv.queries[:1]), *tables)
 
     def _compile_seed(self, n: int) -> None:

@@ -34,7 +34,6 @@ from jax.sharding import SingleDeviceSharding
 
 from zipage_jax.backend import Backend
 from zipage_jax.config import EngineConfig
-from zipage_jax.engine.block_manager import CompressionPlan
 from zipage_jax.engine.pool_plan import KVPoolPlan
 from zipage_jax.engine.runner.compaction import CompactionTables, compaction_tables
 from zipage_jax.engine.runner.executable_store import engine_store
@@ -185,10 +184,12 @@ class ModelRunner:
 
     # -- compression ----------------------------------------------------------------------
 
-    def compress(self, plans: list[CompressionPlan]) -> None:
-        """One compaction of every sequence in `plans`, whatever their budgets and policies."""
-        key = self.grid.compress_key(len(plans), max(len(p.source_table) for p in plans))
-        tables = compaction_tables(plans, key[1], key[3], self.inputs.num_query_slots)
+    def compress(self, scheduled: SchedulerOutput) -> None:
+        """One compaction of every sequence the step compacts, whatever their budgets and policies."""
+        rows = scheduled.compaction_rows()
+        key = self.grid.compress_key(len(rows), int(self.running.num_blocks[rows].max()))
+        tables = compaction_tables(self.running, rows, scheduled.compressions, key[1], key[3],
+                                   self.inputs.num_query_slots)
         profile = self.config.profile_compaction
         if profile:  # time the compaction alone, not the forward step still in flight
             jax.block_until_ready(self.state)
@@ -217,8 +218,8 @@ class ModelRunner:
         the host may read now: every one but this step's with asynchronous scheduling (the device
         computes it while the host prepares the next), all of them when this step samples a
         structured output's token (the next mask needs it)."""
-        if scheduled.compressions:
-            self.compress(scheduled.compressions)
+        if scheduled.compressions or len(scheduled.compact_rows):
+            self.compress(scheduled)
         failures: list[RowFailure] = []
         if scheduled.chunks or len(scheduled.decode_rows):
             batches, failures = self.dispatch(scheduled)

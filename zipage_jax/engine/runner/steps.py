@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from zipage_jax.backend import Backend
 from zipage_jax.compress.config import CompressionConfig
+from zipage_jax.compress.policies import CompressRows
 from zipage_jax.compress.step import compress
 from zipage_jax.engine.sharding import TensorParallel
 from zipage_jax.layers.kv_cache import KVState
@@ -23,11 +24,16 @@ class DeviceState(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp", "rope"), donate_argnames=("kv",))
-def compress_layer(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows, *,
-                   cfg: CompressionConfig, backend: Backend, tp: TensorParallel | None,
-                   rope: tuple[float, ...]) -> KVState:
+def compress_layer(kv: KVState, blocks: jax.Array, per_row: jax.Array, *, cfg: CompressionConfig, backend: Backend,
+                   tp: TensorParallel | None, rope: tuple[float, ...]) -> KVState:
     """One compaction step of one layer (`kv` holds that layer only): the runner calls the same
-    program for every layer, so its compile time does not grow with depth."""
+    program for every layer, so its compile time does not grow with depth. The tables come
+    in two arrays (runner/compaction.py CompactionTables)."""
+    # blocks: [2, b, w] i32 (the blocks read, the blocks written); per_row: [3 + len(CompressRows), b] i32
+    block_tables, target_tables = blocks[0], blocks[1]
+    num_blocks, query_ids, compressed = per_row[0], per_row[1], per_row[2] != 0
+    rows = CompressRows(*per_row[3:])
+
     def step(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows) -> KVState:
         queries = list(kv.queries)
         if tp is not None:
