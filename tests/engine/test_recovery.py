@@ -10,7 +10,7 @@ import pytest
 from device_failures import FailingCalls, InjectedFailure
 
 from zipage_jax import LLM, SamplingParams
-from zipage_jax.engine.core import MAX_RECOVERIES_IN_A_ROW, EngineFailed
+from zipage_jax.engine.core import MAX_FAILED_COMPACTIONS_PER_SEQUENCE, MAX_RECOVERIES_IN_A_ROW, EngineFailed
 
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=64, max_num_seqs=8, max_num_batched_tokens=64,
                query_cache_len=4)
@@ -114,6 +114,31 @@ def test_a_failure_inside_compaction(llm, expected, monkeypatch):
     rest = llm.generate([PROMPTS[0] + got[0][:k]], dataclasses.replace(BUDGETED, max_tokens=BUDGETED.max_tokens - k),
                         use_tqdm=False)[0]
     assert rest["metrics"]["num_compressions"] > 0 and got[0][k:] == rest["token_ids"]
+    assert_no_leaks(llm)
+
+
+def test_a_compaction_that_always_fails_fails_its_request_alone(llm, monkeypatch):
+    """The full-KV request beside it reads tokens between the failures, so the engine's count of
+    failures in a row starts over each time: the budgeted request fails once its compaction has
+    failed MAX_FAILED_COMPACTIONS_PER_SEQUENCE + 1 times, rather than be retried forever; the
+    full-KV one keeps a fresh engine's tokens, and the engine serves on."""
+    longer = dataclasses.replace(GREEDY, max_tokens=150)
+    fresh = llm.generate([PROMPTS[1]], longer, use_tqdm=False)[0]["token_ids"]
+    failure = failing_calls(monkeypatch, llm, llm.engine.core.runner.compressor, range(1, 10**6))
+    ids = llm.engine.add_requests([(PROMPTS[1], longer, None), (PROMPTS[0], BUDGETED, None)])
+    finals = {}
+    for _ in range(3000):
+        if not llm.engine.has_unfinished_requests():
+            break
+        finals.update({out.request_id: out for out in llm.engine.step() if out.finished})
+    assert not llm.engine.has_unfinished_requests(), "retried forever"
+    failures = len(failure.donated)
+    monkeypatch.undo()
+    full, failed = finals[ids[0]].outputs[0], finals[ids[1]]
+    assert full.finish_reason == "length" and full.token_ids == fresh
+    assert failed.outputs[0].finish_reason == "error" and failures == MAX_FAILED_COMPACTIONS_PER_SEQUENCE + 1
+    assert f"its compaction failed {failures} times: InjectedFailure: injected device failure" in failed.error
+    assert llm.engine.healthy and llm.engine.stats.num_recoveries >= failures
     assert_no_leaks(llm)
 
 

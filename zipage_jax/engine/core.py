@@ -33,7 +33,7 @@ from zipage_jax.engine.block_manager import BlockManager
 from zipage_jax.engine.core_outputs import EngineCoreOutputs
 from zipage_jax.engine.pool_plan import plan_pool
 from zipage_jax.engine.runner.model_runner import ModelRunner
-from zipage_jax.engine.runner.results import RunnerOutput
+from zipage_jax.engine.runner.results import CompactionFailed, RunnerOutput
 from zipage_jax.engine.runner.warmup import Warmup
 from zipage_jax.engine.running_batch import RunningBatch
 from zipage_jax.engine.scheduler import Scheduler
@@ -44,6 +44,9 @@ from zipage_jax.sampling_params import SamplingParams
 logger = logging.getLogger("zipage_jax")
 
 MAX_RECOVERIES_IN_A_ROW = 3  # failed steps recovered with no step's tokens read in between
+# failed compactions of one sequence recovered from: past it, its request fails (steps in between
+# read tokens, so a compaction that fails every time would otherwise be retried forever)
+MAX_FAILED_COMPACTIONS_PER_SEQUENCE = 3
 
 
 class EngineFailed(RuntimeError):
@@ -242,8 +245,13 @@ class EngineCore:
             output = self.runner.execute(scheduled)
         except Exception as exc:  # noqa: BLE001 - a device or runtime failure: recompute, or give up
             self._recover(exc)
-            scheduled, output = None, RunnerOutput()
-        outputs = self.scheduler.update_from_output(scheduled, output) if scheduled else EngineCoreOutputs()
+            scheduled, output, failure = None, RunnerOutput(), exc
+        if scheduled is not None:
+            outputs = self.scheduler.update_from_output(scheduled, output)
+        elif isinstance(failure, CompactionFailed):
+            outputs = self.scheduler.count_failed_compaction(failure, MAX_FAILED_COMPACTIONS_PER_SEQUENCE)
+        else:
+            outputs = EngineCoreOutputs()
         self.last_step_idle = scheduled is not None and scheduled.empty and not output.fetched
         self._account(output, outputs)
         self._end_step(start, output.wait_seconds)

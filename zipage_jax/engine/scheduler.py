@@ -40,7 +40,7 @@ from zipage_jax.compress.quotes import QUOTE_NGRAM, find_quote_end
 from zipage_jax.engine.block_manager import BlockManager, CompressionPlan
 from zipage_jax.engine.core_outputs import EngineCoreOutputs, FinishedSequence
 from zipage_jax.engine.prompt_compaction import PromptCompaction
-from zipage_jax.engine.runner.results import FetchedStep, RunnerOutput
+from zipage_jax.engine.runner.results import CompactionFailed, FetchedStep, RunnerOutput
 from zipage_jax.engine.running_batch import RunningBatch
 from zipage_jax.engine.sequence import PENDING, Sequence, SequenceStatus
 
@@ -509,6 +509,18 @@ class Scheduler:
             seq.reset_for_recompute()
             self.waiting.appendleft(seq)
         self.block_manager.reset()
+
+    def count_failed_compaction(self, failure: CompactionFailed, limit: int) -> EngineCoreOutputs:
+        """After `requeue_all` for a failed compaction: each compacting sequence counts it, and the
+        requests of those that have counted more than `limit` finish with "error"."""
+        out = EngineCoreOutputs()
+        for seq in list(self.waiting):
+            if seq.seq_id in failure.seq_ids and seq.status == SequenceStatus.WAITING:
+                seq.failed_compactions += 1
+                if seq.failed_compactions > limit:
+                    self._fail(seq, RuntimeError(f"its compaction failed {seq.failed_compactions} times: {failure}"),
+                               out)
+        return out
 
     # -- a step's results ---------------------------------------------------------------------
 

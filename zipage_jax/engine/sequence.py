@@ -131,6 +131,7 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop", "length" or "error" once finished (None: running, or aborted)
         self.stop_reason: str | int | None = None  # the stop string or stop token id that finished it
         self.metrics = SequenceMetrics()
+        self.failed_compactions = 0  # compactions of it that failed on the device (it recomputed after each)
 
     def __repr__(self) -> str:
         return f"Sequence(seq_id={self.seq_id}, request_id={self.request_id!r}, tokens={self.num_tokens})"

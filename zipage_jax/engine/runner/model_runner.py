@@ -41,7 +41,14 @@ from zipage_jax.engine.runner.forward import StagedForward, layers_per_group
 from zipage_jax.engine.runner.grid import GridProgram, ProgramGrid
 from zipage_jax.engine.runner.inputs import ChunkRows, InputLayout
 from zipage_jax.engine.runner.programs import CompiledSteps, ProgramRecord
-from zipage_jax.engine.runner.results import FetchedStep, PendingBatch, PromptLogprobsResult, RowFailure, RunnerOutput
+from zipage_jax.engine.runner.results import (
+    CompactionFailed,
+    FetchedStep,
+    PendingBatch,
+    PromptLogprobsResult,
+    RowFailure,
+    RunnerOutput,
+)
 from zipage_jax.engine.runner.sampling_batch import SamplingRow
 from zipage_jax.engine.runner.step_relay import LeaderRelay
 from zipage_jax.engine.runner.steps import DeviceState, compress_layer, seed_history
@@ -219,7 +226,10 @@ class ModelRunner:
         computes it while the host prepares the next), all of them when this step samples a
         structured output's token (the next mask needs it)."""
         if scheduled.compressions or len(scheduled.compact_rows):
-            self.compress(scheduled)
+            try:
+                self.compress(scheduled)
+            except Exception as exc:
+                raise CompactionFailed(self.running.seq_id[scheduled.compaction_rows()].tolist(), exc) from exc
         failures: list[RowFailure] = []
         if scheduled.chunks or len(scheduled.decode_rows):
             batches, failures = self.dispatch(scheduled)

@@ -83,6 +83,14 @@ class RowFailure:
     error: Exception
 
 
+class CompactionFailed(RuntimeError):
+    """A step failed in its compaction program: the failure is the compacting sequences' (`seq_ids`)."""
+
+    def __init__(self, seq_ids: list[int], error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.seq_ids = seq_ids
+
+
 @dataclass
 class RunnerOutput:
     """What a step did on the device and read back: the requests whose inputs it refused, the
