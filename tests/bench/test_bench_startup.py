@@ -362,7 +362,7 @@ def test_quick_all_sections(llama_dir, bench_args, last_json):
     assert server["streams"] == 8 and server["max_tokens"] == 4 and set(server["modes"]) == {"current"}
     assert "--kvcache-block-size" in server["modes"]["current"]["flags"]
     for run in (server["current"]["cold"], *server["current"]["warm"]["runs"]):
-        assert run["ok"] and run["all_succeeded"] and run["succeeded"] == 8 and run["health_s"] > 0
+        assert run["ok"] and run["all_succeeded"] and run["succeeded"] == 8 and run["health_s"] > 0, run.get("errors")
         assert 0 < run["ttft_p50_s"] <= run["ttft_p90_s"] <= run["ttft_max_s"]
         assert run["exit"]["returncode"] is not None
         if run["metrics"]["zipage:warmup_programs_total"]:  # a server with a background warm-up
