@@ -132,6 +132,19 @@ def wait_for(condition, timeout: float, message: str) -> None:
         time.sleep(0.05)
 
 
+def wait_healthy(url: str, proc, log_tail, timeout: float) -> None:
+    """Until `url`'s /health answers 200; fails with `log_tail()` if the server process `proc` exits,
+    and when `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"the server exited: {log_tail()}"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        assert time.monotonic() < deadline, "the server did not become healthy"
+        time.sleep(0.2)
+
+
 def metrics(srv) -> dict[str, float]:
     """The /metrics samples, by name with labels stripped (each is unique here)."""
     return parse_metrics(srv.http.get("/metrics").text)

@@ -11,13 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_harness import COMPLETIONS, ENGINE_OPTIONS, MODEL, parse_metrics, wait_for
+from server_harness import COMPLETIONS, ENGINE_OPTIONS, MODEL, parse_metrics, wait_for, wait_healthy
 
 from zipage_jax import LLM, SamplingParams
 
@@ -43,16 +42,7 @@ class Served:
                                       "--served-model-name", MODEL, "--port", str(self.port), "--no-warmup",
                                       "--log-level", "warning", *flags], cwd=ROOT, env=env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 180
-        while True:
-            assert self.proc.poll() is None, f"the server exited: {self.proc.stderr.read()[-3000:]}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            time.sleep(0.2)
+        wait_healthy(self.url, self.proc, lambda: self.proc.stderr.read()[-3000:], 180)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=60, max_retries=0)
 
     def core_pid(self) -> int:

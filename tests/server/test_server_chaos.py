@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import CHAT, COMPLETIONS, ENGINE_OPTIONS, MODEL, USER, parse_metrics
+from server_harness import CHAT, COMPLETIONS, ENGINE_OPTIONS, MODEL, USER, parse_metrics, wait_healthy
 
 from zipage_jax import LLM
 from zipage_jax.sampling_params import SamplingParams
@@ -140,16 +140,7 @@ def test_chaos_then_sigterm(tiny_model_factory, model_cache_dir, expected, tmp_p
     proc = subprocess.Popen([sys.executable, str(HERE / "chaos_server.py"), str(tiny_model_factory("qwen3")),
                              str(port), str(FAIL_AT)], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not become healthy"
-            time.sleep(0.2)
+        wait_healthy(url, proc, lambda: (tmp_path / "server.log").read_text()[-3000:], 300)
         total = _metrics(url)["zipage:kv_total_blocks"]
         stop = threading.Event()
         clients = [Client(url, seed, stop) for seed in range(CLIENTS)]
