@@ -112,6 +112,7 @@ def test_not_ready_until_the_serving_set_is_built(tiny_model_factory, model_cach
         grid = srv.engine.runner.step_grid()
         total, num_serving = len(grid), sum(p.serving for p in grid)
         assert 0 < num_serving < total
+        wait_for(lambda: metrics(srv)["zipage:warmup_programs_total"] > 0, 30, "the warm-up did not start")
 
         r = srv.http.get("/health")
         assert r.status_code == 503, r.text
@@ -169,6 +170,35 @@ def test_not_ready_until_the_serving_set_is_built(tiny_model_factory, model_cach
         assert m["zipage:warmup_programs_ready"] == total and m["zipage:programs_ready"] == compiled
         assert m["zipage:programs_loaded_total"] == compiled
         assert m["zipage:compile_seconds_total"] > 0  # loading takes time too
+
+
+def test_not_ready_before_the_warm_up_reports(tiny_model_factory, model_cache_dir, tmp_path, monkeypatch):
+    """Between the model loading and the core's first warm-up status the server is not ready
+    either: a client that sees /health 200 can send at once."""
+    held, entered = threading.Event(), threading.Event()
+    start_warmup = EngineCore.start_warmup
+
+    def held_start(core: EngineCore):
+        entered.set()
+        assert held.wait(GATE_TIMEOUT_S), "the test never let the warm-up start"
+        return start_warmup(core)
+
+    monkeypatch.setattr(EngineCore, "start_warmup", held_start)
+    with serving(tiny_model_factory, model_cache_dir, tmp_path / "executables", warmup=True) as srv:
+        try:
+            assert entered.wait(30), "the warm-up was never started"
+            r = srv.http.get("/health")
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "warming_up"
+            assert "the server is warming up: it is starting;" in r.json()["error"]["message"]
+            r = complete(srv)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "warming_up", r.text
+            assert metrics(srv)["zipage:warmup_serving_ready"] == 0
+        finally:
+            held.set()
+        wait_for(lambda: srv.http.get("/health").status_code == 200, WARMUP_TIMEOUT_S,
+                 "the server did not become ready")
+        assert complete(srv).status_code == 200
 
 
 def test_without_warmup_the_server_is_ready_once_loaded(tiny_model_factory, model_cache_dir, tmp_path):

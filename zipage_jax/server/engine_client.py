@@ -41,6 +41,9 @@ from zipage_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger("zipage_jax.server")
 
+# a requested warm-up whose first status has not arrived: nothing built, nothing counted yet
+WARMUP_STARTING = WarmupStatus(total=0, ready=0, serving_ready=False, done=False, seconds=0.0, failed=0)
+
 class RequestFailed(Exception):
     """Delivered to a request's sink when the engine failed it (the error is logged)."""
 
@@ -129,7 +132,11 @@ class FrontEnd:
 
     @property
     def warmup_status(self) -> WarmupStatus | None:
-        return self._warmup if self._warmup_requested else None
+        """None without a warm-up; a requested one counts as not ready from the start, before the
+        core has reported its first status."""
+        if not self._warmup_requested:
+            return None
+        return self._warmup or WARMUP_STARTING
 
     @property
     def healthy(self) -> bool:

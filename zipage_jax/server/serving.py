@@ -71,7 +71,8 @@ class OpenAIServing:
             raise OpenAIError(503, "the engine failed and cannot serve (the server's log says why)")
         status = client.warmup_status
         if status is not None and not status.serving_ready:
-            raise OpenAIError(503, f"the server is warming up: {status.ready} of {status.total} programs ready; "
+            progress = f"{status.ready} of {status.total} programs ready" if status.total else "it is starting"
+            raise OpenAIError(503, f"the server is warming up: {progress}; "
                                    "it serves once the largest program of each kind is", code="warming_up")
         return client.model_info
 
