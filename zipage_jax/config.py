@@ -52,6 +52,16 @@ class EngineConfig:
     max_cache_blocks_per_seq: int | None = option(
         None, doc="KV budget of a sequence, in blocks: a longer sequence is compressed to it; default: full KV "
                   "(SamplingParams.kv_budget overrides it)")
+    auto_budget: bool = option(False, doc="requests without a kv_budget of their own get kv_budget=\"auto\": "
+                                          "each compaction keeps the fewest blocks that lose at most "
+                                          "auto_budget_threshold of the attention, else the budget grows "
+                                          "(instead of max_cache_blocks_per_seq)")
+    auto_budget_threshold: float = option(0.05, doc="kv_budget=\"auto\": the largest share of the cached queries' "
+                                                    "attention a compaction may evict")
+    auto_budget_min: int = option(64, doc="kv_budget=\"auto\": the fewest KV tokens a sequence keeps, and the "
+                                          "tokens its budget grows by (rounded up to blocks)")
+    auto_budget_max: int = option(2048, doc="kv_budget=\"auto\": the most KV tokens a sequence keeps (rounded "
+                                            "down to blocks); SamplingParams.kv_budget_max overrides it")
     query_cache_len: int = option(16, doc="the last queries of a sequence kept to score its tokens (at most "
                                           "kvcache_block_size)")
     prompt_compression: Literal["bounded", "deferred"] = option(
@@ -100,6 +110,12 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, xla or pallas, got {self.attention_backend!r}")
         if self.max_cache_blocks_per_seq is not None:
             _positive("max_cache_blocks_per_seq", self.max_cache_blocks_per_seq)
+        if self.auto_budget and self.max_cache_blocks_per_seq is not None:
+            raise ValueError("auto_budget and max_cache_blocks_per_seq are two default budgets: set one")
+        if not 0.0 <= self.auto_budget_threshold < 1.0:
+            raise ValueError(f"auto_budget_threshold must be in [0, 1), got {self.auto_budget_threshold}")
+        _positive("auto_budget_min", self.auto_budget_min)
+        _positive("auto_budget_max", self.auto_budget_max)
         if not 1 <= self.query_cache_len <= bs:
             raise ValueError(f"query_cache_len must be in [1, kvcache_block_size={bs}], got {self.query_cache_len}")
         if self.prompt_compression not in PROMPT_COMPRESSION:

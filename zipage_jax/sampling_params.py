@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from zipage_jax.compress.policies import POLICIES, get_policy
 from zipage_jax.layers.sampler import MAX_LOGPROBS
@@ -87,7 +88,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    kv_budget: int | None = None  # KV tokens kept (rounded up to blocks): None = engine default, 0 = full KV
+    # KV tokens kept (rounded up to blocks): None = engine default, 0 = full KV, "auto" = sized at each
+    # compaction point by the attention it would evict (compress/auto_budget.py)
+    kv_budget: int | Literal["auto"] | None = None
+    kv_budget_max: int | None = None  # "auto": the most KV tokens kept; None = the engine's auto_budget_max
     eviction_policy: str | None = None  # this request's eviction rule (compress/policies.py); None = the engine's
     # The prompt is kept whole, outside kv_budget: the sequence holds its prompt plus kv_budget tokens
     # (TensorRT-LLM's TriAttention keeps prompts this way); False: kv_budget bounds the prompt too.
@@ -134,8 +138,17 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
-        if self.kv_budget is not None:
+        if self.kv_budget is not None and self.kv_budget != "auto":
+            if isinstance(self.kv_budget, str):
+                raise ValueError(f"kv_budget must be a token count or \"auto\", got {self.kv_budget!r}")
             _integer("kv_budget", self.kv_budget, low=0, high=INT32_MAX)
+        if self.kv_budget_max is not None:
+            _integer("kv_budget_max", self.kv_budget_max, low=1, high=INT32_MAX)
+            if self.kv_budget not in ("auto", None):
+                raise ValueError("kv_budget_max bounds an automatic budget: set kv_budget=\"auto\" (or leave it to "
+                                 "an engine whose default is automatic)")
+        if self.kv_budget == "auto" and self.keep_prompt:
+            raise ValueError("keep_prompt needs a fixed kv_budget: an automatic budget sizes the prompt's share itself")
         if self.eviction_policy is not None:
             get_policy(self.eviction_policy)
         object.__setattr__(self, "forced_token_ids", _token_ids("forced_token_ids", self.forced_token_ids))

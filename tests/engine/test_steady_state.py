@@ -12,11 +12,12 @@ from zipage_jax import LLM, SamplingParams
 # small enough for a quick warm-up: decode rows {1, 2, 4}, prefill rows {1, 2}, compression
 # batches {1, 2} x table widths {2, 4, 8}, history buckets {64, 128}
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=40, max_num_seqs=4, max_num_batched_tokens=64,
-               max_model_len=128, max_cache_blocks_per_seq=2, max_compress_seqs=2, query_cache_len=4)
+               max_model_len=128, max_cache_blocks_per_seq=2, max_compress_seqs=2, query_cache_len=4,
+               auto_budget_min=32)
 
 
 def mixed_workload(llm: LLM) -> list[list[int]]:
-    """Budgets (default, 32 and 48 tokens, full KV), every policy, greedy / seeded / top-k / top-p /
+    """Budgets (default, 32 and 48 tokens, automatic, full KV), every policy, greedy / seeded / top-k / top-p /
     min-p sampling, penalties, logprobs, min_tokens with stop ids, forced tokens, prompts of 1 to
     100 tokens (chunked), 1 to 4 sequences at a time, and full-KV contexts to the model length."""
     long = [(7 * i) % 300 + 3 for i in range(100)]
@@ -25,7 +26,9 @@ def mixed_workload(llm: LLM) -> list[list[int]]:
         [(long, SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=20, kv_budget=32)),
          ([9, 8, 7], SamplingParams(temperature=1.0, top_k=5, seed=2, max_tokens=40, repetition_penalty=1.3,
                                     eviction_policy="streaming")),
-         (long[:40], SamplingParams(temperature=0, max_tokens=80, kv_budget=0, ignore_eos=True, logprobs=3))],
+         (long[:40], SamplingParams(temperature=0, max_tokens=80, kv_budget=0, ignore_eos=True, logprobs=3)),
+         (long[:30], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, kv_budget="auto",
+                                    kv_budget_max=64))],
         [([3, 4], SamplingParams(temperature=0.7, min_p=0.1, seed=3, max_tokens=30, frequency_penalty=0.5,
                                  presence_penalty=0.2, eviction_policy="zipage", kv_budget=48)),
          (long[:17], SamplingParams(temperature=0, max_tokens=25, min_tokens=20, stop_token_ids=[2, 5],

@@ -46,11 +46,14 @@ The default is "vnorm-prompt", chosen by task accuracy on the dev problems (docs
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+
+from zipage_jax.compress.auto_budget import AutoBudget
 
 
 class Score(enum.IntEnum):
@@ -134,6 +137,13 @@ class KVBudget:
     recent: int  # last positions protected
     prompt_reserve: int = 0  # the best-scored prompt tokens protected (sinks among them)
     deferred: bool = False  # a long prompt compacts once, at its end, not between chunks (engine/prompt_compaction.py)
+    auto: AutoBudget | None = None  # kv_budget="auto": `blocks` changes at each compaction point
+    options: PolicyOptions | None = None  # what `resized` resolves with (automatic budgets)
+
+    def resized(self, blocks: int, block_size: int, query_cache_len: int) -> KVBudget:
+        """This automatic budget at `blocks` blocks: its protected tokens follow its size."""
+        return dataclasses.replace(resolve_budget(self.policy, self.options, blocks, block_size, query_cache_len),
+                                   deferred=self.deferred, auto=self.auto, options=self.options)
 
 
 def resolve_budget(policy: Policy, options: PolicyOptions, blocks: int, block_size: int,

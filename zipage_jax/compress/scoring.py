@@ -295,6 +295,23 @@ def _raw_row_sums(keys, valid, threshold):
     return sums.reshape(batch, num_kv_heads, width, block_size)
 
 
+def evicted_mass(final: jax.Array, attn: jax.Array, num_blocks: jax.Array) -> jax.Array:
+    """[B, W] the attention share evicted by keeping j blocks' worth of tokens (column j), per
+    row averaged over kv heads; 1 at j = 0, 0 from j = num_blocks on (everything kept).
+
+    final: [B, Hkv, W, BS] the policy's ranking (+inf protected, -inf padding);
+    attn: [B, Hkv, W, BS] the cached queries' attention to each token (0 on padding)."""
+    batch, heads, width, block_size = final.shape
+    order = jnp.argsort(-final.reshape(batch, heads, -1), axis=-1, stable=True)
+    ranked = jnp.take_along_axis(attn.reshape(batch, heads, -1), order, axis=-1)
+    kept = jnp.cumsum(ranked, axis=-1)  # [B, Hkv, T] attention of the best t + 1
+    total = kept[..., -1:]
+    at_blocks = jnp.concatenate([jnp.zeros_like(total), kept[..., block_size - 1::block_size][..., :width - 1]], -1)
+    lost = jnp.where(total > 0, 1.0 - at_blocks / jnp.where(total > 0, total, 1.0), 0.0)
+    lost = jnp.where(jnp.arange(width)[None, None] >= num_blocks[:, None, None], 0.0, lost)
+    return jnp.clip(lost, 0.0, 1.0).mean(axis=1)
+
+
 def top_k_keep(final: jax.Array, valid: jax.Array, k: jax.Array, group: jax.Array | None = None) -> jax.Array:
     """Step 7: the k[b] best tokens of every (seq, head), never padding: [B, Hkv, W, BS] bool.
 

@@ -26,7 +26,7 @@ from pallas_kernels.kv_pool import KVPool
 from zipage_jax.backend import Backend
 from zipage_jax.compress.config import CompressionConfig
 from zipage_jax.compress.policies import CompressRows
-from zipage_jax.compress.scoring import ScoreStages, score_layer, token_positions
+from zipage_jax.compress.scoring import ScoreStages, evicted_mass, score_layer, token_positions
 
 
 def compress_layer(
@@ -112,10 +112,24 @@ def compress(
     Returns:
       The layers' pools after compaction (see the module docstring).
     """
+    return compress_measured(layers, query_caches, block_tables, num_blocks, query_ids, compressed, target_tables,
+                             rows, cfg, backend, rope)[0]
+
+
+def compress_measured(layers: list[KVPool], query_caches: list[jax.Array], block_tables: jax.Array,
+                      num_blocks: jax.Array, query_ids: jax.Array, compressed: jax.Array, target_tables: jax.Array,
+                      rows: CompressRows, cfg: CompressionConfig, backend: Backend = Backend.XLA,
+                      rope: tuple[float, ...] = ()) -> tuple[list[KVPool], jax.Array]:
+    """`compress`, and [B, W] the attention share each row would evict keeping j blocks (column
+    j), averaged over the layers and kv heads (scoring.py `evicted_mass`; compress/auto_budget.py)."""
     _check(layers, query_caches, block_tables, num_blocks, query_ids, compressed, target_tables, rows, cfg)
-    return [compress_layer(pools, query_cache, block_tables, num_blocks, query_ids, compressed, target_tables,
-                           rows, cfg, backend, rope)[0]
-            for pools, query_cache in zip(layers, query_caches)]
+    out, lost = [], jnp.zeros(block_tables.shape, jnp.float32)
+    for pools, query_cache in zip(layers, query_caches):
+        pools, stages = compress_layer(pools, query_cache, block_tables, num_blocks, query_ids, compressed,
+                                       target_tables, rows, cfg, backend, rope)
+        out.append(pools)
+        lost = lost + evicted_mass(stages.final, stages.attn, num_blocks)
+    return out, lost / len(layers)
 
 
 def _check(layers, query_caches, block_tables, num_blocks, query_ids, compressed, target_tables, rows,

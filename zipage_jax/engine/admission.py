@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zipage_jax.compress.policies import POLICIES, KVBudget, resolve_budget
+from zipage_jax.compress import auto_budget
+from zipage_jax.compress.policies import POLICIES, KVBudget, Policy, PolicyOptions, Score, resolve_budget
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.grammar import GrammarCompiler
 from zipage_jax.engine.pool_plan import KVPoolPlan
@@ -107,12 +108,16 @@ class Admission:
         config, bs = self.config, self.pool.block_size
         if params.kv_budget == 0:
             return None
-        blocks = config.max_cache_blocks_per_seq if params.kv_budget is None else -(-params.kv_budget // bs)
-        if blocks is None:
-            return None
         policy = POLICIES[params.eviction_policy or config.eviction_policy]
         options = policy.options(config.sink_len, config.recent_fraction, config.prompt_fraction)
-        budget = resolve_budget(policy, options, blocks, bs, config.query_cache_len)
+        if params.kv_budget == "auto" or (params.kv_budget is None and config.auto_budget):
+            budget = self._auto_budget(params, policy, options, prompt_len)
+            blocks = budget.blocks
+        else:
+            blocks = config.max_cache_blocks_per_seq if params.kv_budget is None else -(-params.kv_budget // bs)
+            if blocks is None:
+                return None
+            budget = resolve_budget(policy, options, blocks, bs, config.query_cache_len)
         if params.keep_prompt:  # the prompt on top: a reserve that holds all of it
             blocks = -(-(prompt_len + budget.tokens) // bs)
             budget = dataclasses.replace(budget, blocks=blocks, tokens=blocks * bs,
@@ -128,6 +133,32 @@ class Admission:
             raise ValueError(f"a prompt of {prompt_len} tokens with a kv_budget of {blocks} blocks needs {peak} "
                              f"blocks at its peak ({how}); the KV pool has {self.pool.num_usable_blocks}")
         return budget
+
+    def _auto_budget(self, params: SamplingParams, policy: Policy, options: PolicyOptions,
+                     prompt_len: int) -> KVBudget:
+        """An automatic budget (compress/auto_budget.py): bounds from the engine's auto_budget_min
+        and auto_budget_max (or the request's kv_budget_max, within the pool), starting at the
+        prompt's blocks within them."""
+        config, bs, ql = self.config, self.pool.block_size, self.config.query_cache_len
+        if policy.score in (Score.POSITION, Score.FUTURE):
+            raise ValueError(f"kv_budget=\"auto\" measures the attention a compaction would evict; policy "
+                             f"{policy.name!r} does not rank tokens by their observed attention")
+        ceiling = params.kv_budget_max or config.auto_budget_max
+        if ceiling < config.auto_budget_min:
+            raise ValueError(f"kv_budget_max={ceiling} is below this engine's auto_budget_min={config.auto_budget_min}")
+        ceiling = min(ceiling, (self.pool.num_usable_blocks - 1) * bs)
+
+        def holds_protected(blocks: int) -> bool:
+            try:
+                resolve_budget(policy, options, blocks, bs, ql)
+            except ValueError:
+                return False
+            return True
+
+        auto = auto_budget.bounds(config.auto_budget_min, ceiling, config.auto_budget_min,
+                                  config.auto_budget_threshold, bs, holds_protected)
+        blocks = min(auto.ceiling, max(auto.floor, -(-prompt_len // bs)))
+        return dataclasses.replace(resolve_budget(policy, options, blocks, bs, ql), auto=auto, options=options)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -261,5 +261,6 @@ def _metrics(state: _RequestState, seq: _SequenceState, now: float) -> dict:
         "num_preemptions": m.num_preemptions,
         "num_compressions": m.num_compressions,
         "kv_blocks_peak": m.kv_blocks_peak,
+        "kv_budget_tokens": m.kv_budget_tokens,
         "kv_tokens_evicted": m.kv_tokens_evicted,
     }

@@ -25,6 +25,7 @@ import numpy as np
 from zipage_jax.engine.block_manager import DUMMY_BLOCK
 
 if TYPE_CHECKING:
+    from zipage_jax.compress.policies import KVBudget
     from zipage_jax.engine.sequence import Sequence
 
 MIN_TOKEN_CAPACITY = 256  # token columns at first; the array doubles when a sequence outgrows it
@@ -80,6 +81,13 @@ class RunningBatch:
         self.budget_recent = np.zeros(r, np.int64)
         self.budget_score = np.zeros(r, np.int64)
         self.budget_reserve = np.zeros(r, np.int64)
+        # an automatic budget's bounds (compress/auto_budget.py AutoBudget; floor -1: a fixed budget)
+        self.auto_floor = np.full(r, -1, np.int64)
+        self.auto_ceiling = np.zeros(r, np.int64)
+        self.auto_grow = np.zeros(r, np.int64)
+        self.auto_threshold = np.zeros(r, np.float64)
+        self.measuring = np.zeros(r, bool)  # its measurement runs this step
+        self.measured = np.zeros(r, bool)  # it compacts to its budget at its next point without measuring
         self.query_tail = np.zeros(r, np.int64)  # first in-block offset whose query is cached
         self.min_tokens = np.zeros(r, np.int64)
         self.max_tokens = np.zeros(r, np.int64)
@@ -153,6 +161,19 @@ class RunningBatch:
         self.block_table[row, n:self.num_blocks[row]] = DUMMY_BLOCK
         self.num_blocks[row] = n
 
+    def set_budget(self, row: int, budget: KVBudget | None) -> None:
+        """The row's copy of its sequence's budget (at attach, and when an automatic one changes)."""
+        self.budget_blocks[row] = -1 if budget is None else budget.blocks
+        self.budget_tokens[row] = 0 if budget is None else budget.tokens
+        if budget is not None:
+            self.budget_sinks[row], self.budget_recent[row] = budget.sinks, budget.recent
+            self.budget_score[row], self.budget_reserve[row] = int(budget.policy.score), budget.prompt_reserve
+        auto = None if budget is None else budget.auto
+        self.auto_floor[row] = -1 if auto is None else auto.floor
+        if auto is not None:
+            self.auto_ceiling[row], self.auto_grow[row], self.auto_threshold[row] = auto.ceiling, auto.grow, \
+                auto.threshold
+
     def ensure_capacity(self, num_tokens: int) -> None:
         """Token columns for `num_tokens` in every row (the array doubles until it fits)."""
         capacity = self.tokens.shape[1]
@@ -167,11 +188,8 @@ class RunningBatch:
     def _copy_request(self, row: int, seq: Sequence) -> None:
         params, budget = seq.params, seq.budget
         self.num_prompt[row], self.max_len[row] = seq.num_prompt_tokens, seq.max_len
-        self.budget_blocks[row] = -1 if budget is None else budget.blocks
-        self.budget_tokens[row] = 0 if budget is None else budget.tokens
-        if budget is not None:
-            self.budget_sinks[row], self.budget_recent[row] = budget.sinks, budget.recent
-            self.budget_score[row], self.budget_reserve[row] = int(budget.policy.score), budget.prompt_reserve
+        self.set_budget(row, budget)
+        self.measuring[row] = self.measured[row] = False
         self.query_tail[row] = seq.block_size - seq.query_cache_len
         self.seq_id[row] = seq.seq_id
         self.constrained[row] = seq.grammar is not None

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from zipage_jax.compress.auto_budget import choose
 from zipage_jax.compress.quotes import QUOTE_NGRAM, find_quote_end
 from zipage_jax.engine.block_manager import BlockManager, CompressionPlan
 from zipage_jax.engine.core_outputs import EngineCoreOutputs, FinishedSequence
@@ -71,11 +72,19 @@ class SchedulerOutput:
     decode_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # batch rows: one token each
     # batch rows compacting in place (compressed before: every block their own, none hashed), no plan
     compact_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # batch rows with an automatic budget at their compaction point: measured, nothing moves
+    measure_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.chunks or self.compressions or len(self.decode_rows) or len(self.compact_rows))
+        return not (self.chunks or self.compressions or len(self.decode_rows) or len(self.compact_rows)
+                    or len(self.measure_rows))
+
+    @property
+    def num_compactions(self) -> int:
+        """Compaction program rows this step: the plans, the in-place rows and the measured ones."""
+        return len(self.compressions) + len(self.compact_rows) + len(self.measure_rows)
 
     def compaction_rows(self) -> np.ndarray:
         """The rows of every compaction of the step: the plans' first, then the in-place ones."""
@@ -283,6 +292,9 @@ class Scheduler:
         rest = rows[~picked & ~decode & (b.num_tokens[rows] < b.max_len[rows])]  # waiting for its last token
         if held:
             rest = rest[~b.held[rest] | (b.num_computed_tokens[rest] < b.num_prefill_tokens[rest])]
+        measure = self._measures(rest)
+        self._measure(rest[measure], out)
+        rest = rest[~measure]  # those past the step's compactions measure in a later one
         in_place = self._compacts_in_place(rest)
         self._compact_in_place(rest[in_place], out)
         for row in rest[~in_place]:
@@ -293,18 +305,36 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             self._schedule_one(seq, out, budget)
 
+    def _at_point(self, rows: np.ndarray) -> np.ndarray:
+        """Which of `rows` are at their compaction point past their prompt: every block full, at
+        their budget and the next block after it."""
+        b, bs = self.batch, self.block_manager.block_size
+        m, blocks = b.budget_blocks[rows], b.num_blocks[rows]
+        return ((m >= 0) & (blocks >= m + 1) & (b.num_kv_slots[rows] == blocks * bs)
+                & (b.num_computed_tokens[rows] >= b.num_prefill_tokens[rows]))
+
+    def _measures(self, rows: np.ndarray) -> np.ndarray:
+        """Which of `rows` have an automatic budget to size first (compress/auto_budget.py)."""
+        b = self.batch
+        return (b.auto_floor[rows] >= 0) & ~b.measured[rows] & ~b.compressing[rows] & self._at_point(rows)
+
+    def _measure(self, rows: np.ndarray, out: SchedulerOutput) -> None:
+        """As many of `rows` as the step has compaction rows left for: measured this step, sized
+        by `update_from_output`."""
+        rows = rows[:max(0, self.max_compress_seqs - out.num_compactions)]
+        self.batch.measuring[rows] = True
+        out.measure_rows = np.concatenate([out.measure_rows, rows])
+
     def _compacts_in_place(self, rows: np.ndarray) -> np.ndarray:
         """Which of `rows` compact now with no plan: past their prompt, compressed before (so
         every block is their own and unhashed: a plan would keep their first M + 1 blocks),
         every block full at their budget and the next block after it (`_needs_compression`)."""
-        b, bs = self.batch, self.block_manager.block_size
-        m, blocks = b.budget_blocks[rows], b.num_blocks[rows]
-        return (b.compressed[rows] & ~b.compressing[rows] & (m >= 0) & (blocks >= m + 1)
-                & (b.num_kv_slots[rows] == blocks * bs) & (b.num_computed_tokens[rows] >= b.num_prefill_tokens[rows]))
+        b = self.batch
+        return b.compressed[rows] & ~b.compressing[rows] & ~b.measuring[rows] & self._at_point(rows)
 
     def _compact_in_place(self, rows: np.ndarray, out: SchedulerOutput) -> None:
         """As many of `rows` as the step has compactions left for: they decode once it lands."""
-        rows = rows[:max(0, self.max_compress_seqs - len(out.compressions) - len(out.compact_rows))]
+        rows = rows[:max(0, self.max_compress_seqs - out.num_compactions)]
         if len(rows):
             self.batch.compressing[rows] = True
             self._advance_quotes(rows)
@@ -331,8 +361,13 @@ class Scheduler:
         b.kv_blocks_peak[rows] = np.maximum(b.kv_blocks_peak[rows], blocks + 1)
 
     def _schedule_one(self, seq: Sequence, out: SchedulerOutput, budget: StepBudget) -> None:
+        if self._cannot_grow(seq):  # an automatic budget keeps what it holds rather than take from others
+            b = self.batch
+            seq.budget = seq.budget.resized(seq.num_blocks - 1, self.block_manager.block_size, seq.query_cache_len)
+            b.set_budget(seq.row, seq.budget)
+            b.measured[seq.row] = True
         if self._needs_compression(seq):
-            if len(out.compressions) + len(out.compact_rows) < self.max_compress_seqs:
+            if out.num_compactions < self.max_compress_seqs:
                 plan = self.block_manager.plan_compression(seq)
                 while plan is None and self._preempt_for(seq, out):  # blocks to replace shared ones
                     plan = self.block_manager.plan_compression(seq)
@@ -393,6 +428,13 @@ class Scheduler:
             point = self.prompt.point(seq)
             return point is not None and seq.num_blocks >= point
         return seq.num_blocks >= m + 1
+
+    def _cannot_grow(self, seq: Sequence) -> bool:
+        """An automatic budget that grew past its blocks, every block full, and no block free."""
+        budget = seq.budget
+        return (budget is not None and budget.auto is not None and not self._in_prompt(seq)
+                and seq.num_kv_slots == seq.num_blocks * self.block_manager.block_size
+                and seq.num_blocks < budget.blocks + 1 and self.block_manager.num_free_blocks == 0)
 
     @staticmethod
     def _in_prompt(seq: Sequence) -> bool:
@@ -480,6 +522,9 @@ class Scheduler:
                 self.release_tail(chunk)
         out.chunks = [c for c in out.chunks if c.seq is not seq]
         out.decode_rows = out.decode_rows[out.decode_rows != seq.row]
+        out.measure_rows = out.measure_rows[out.measure_rows != seq.row]
+        if seq.row is not None:
+            self.batch.measuring[seq.row] = self.batch.measured[seq.row] = False
         self.block_manager.free(seq)
         self.query_slots.release(seq)
         self._stop_running(seq, keep_row=True)
@@ -543,6 +588,7 @@ class Scheduler:
         length limit ("length")."""
         out = EngineCoreOutputs()
         self._finish_compressions(scheduled, out)
+        self._size_budgets(scheduled.measure_rows, output.measured)
         failed = {f.chunk.seq.request_id for f in output.failures}  # the whole request fails
         for chunk in scheduled.chunks:
             self.release_tail(chunk)
@@ -574,12 +620,29 @@ class Scheduler:
         evicted = b.num_kv_slots[rows] - kept
         b.num_kv_slots[rows] = kept
         b.compressed[rows], b.compressing[rows] = True, False
+        b.measured[rows] = False
         for row, n in zip(rows.tolist(), evicted.tolist()):
             metrics = b.seqs[row].metrics
             metrics.num_compressions += 1
             metrics.kv_tokens_evicted += n
         out.kv_tokens_evicted += int(evicted.sum())
         out.compressed += b.seq_id[rows].tolist()
+
+    def _size_budgets(self, rows: np.ndarray, losses: np.ndarray | None) -> None:
+        """The measured rows' next budgets (compress/auto_budget.py choose): a row compacts to its
+        new budget at once (its point holds) or grows to it; either way `Sequence.budget` follows."""
+        if not len(rows):
+            return
+        b, bs = self.batch, self.block_manager.block_size
+        blocks, compacts = choose(losses, b.num_blocks[rows], b.budget_blocks[rows], b.auto_floor[rows],
+                                  b.auto_ceiling[rows], b.auto_grow[rows], b.auto_threshold[rows],
+                                  self.block_manager.num_free_blocks)
+        b.measuring[rows], b.measured[rows] = False, compacts
+        for row, m in zip(rows.tolist(), blocks.tolist()):
+            seq = b.seqs[row]
+            if m != seq.budget.blocks:
+                seq.budget = seq.budget.resized(m, bs, seq.query_cache_len)
+                b.set_budget(row, seq.budget)
 
     def _commit(self, chunk: Chunk) -> None:
         """The chunk was dispatched: its K/V are in the pool for every later step, and its
@@ -693,6 +756,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str, stop_reason: str | int | None, out: EngineCoreOutputs,
                 stop_token: bool = False) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.metrics.kv_budget_tokens = 0 if seq.budget is None else seq.budget.tokens
         self.finish(seq)
         out.finished.append(FinishedSequence(seq.seq_id, reason, stop_reason, stop_token, seq.metrics))
 

@@ -47,6 +47,7 @@ class SequenceMetrics:
     num_compressions: int = 0
     kv_blocks_peak: int = 0
     kv_tokens_evicted: int = 0
+    kv_budget_tokens: int = 0  # its budget when it finished (0: full KV; an automatic one's last size)
 
 
 class RowField:

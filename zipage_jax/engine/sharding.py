@@ -92,15 +92,17 @@ class TensorParallel:
         """Inside jit: pins the returned KV state to its input layout (steady jit cache keys)."""
         return jax.lax.with_sharding_constraint(kv, self.kv_shardings(kv))
 
-    def per_shard_kv(self, fn: Callable, kv: KVState) -> Callable:
-        """shard_map of `fn(kv, *replicated) -> kv`: fn sees each shard's heads only; every other
-        argument (a pytree) is replicated."""
+    def per_shard_kv(self, fn: Callable, kv: KVState, replicated_out: bool = False) -> Callable:
+        """shard_map of `fn(kv, *replicated) -> kv` (with `replicated_out`, `-> (kv, x)` where x is
+        the same on every shard): fn sees each shard's heads only; every other argument (a
+        pytree) is replicated."""
         specs = self.kv_specs(kv)
+        out_specs = (specs, P()) if replicated_out else specs
 
         def run(kv: KVState, *replicated):
             # check_vma off: Pallas calls inside do not carry varying-axis types.
             return jax.shard_map(fn, mesh=self.mesh, in_specs=(specs,) + (P(),) * len(replicated),
-                                 out_specs=specs, check_vma=False)(kv, *replicated)
+                                 out_specs=out_specs, check_vma=False)(kv, *replicated)
 
         return run
 

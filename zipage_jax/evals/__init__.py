@@ -6,6 +6,6 @@ SUBCOMMANDS = {
     "quality": "perplexity of compressed KV against full KV on texts and reasoning traces",
     "long-prompt": "pass keys and questions at the end of long prompts under a KV budget",
     "code": "HumanEval pass@1, full KV against compressed",
-    "math": "math problems' pass@1 and throughput, full KV against compressed",
+    "math": "GSM8K / MATH-500 pass@1 and peak KV, full KV against compressed",
     "int4-keys": "int4 keys' error on real activations, per channel against per token",
 }

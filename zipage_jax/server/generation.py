@@ -21,7 +21,7 @@ from zipage_jax.server.format_thread import FormatThread
 from zipage_jax.server.output_sink import OutputSink
 from zipage_jax.server.queue_capacity import Reservation
 from zipage_jax.server.response_builders import ResponseBuilder
-from zipage_jax.server.responses import ResponseBody, Usage
+from zipage_jax.server.responses import KVCacheUsage, ResponseBody, Usage
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,12 @@ class Generation:
         cached = sum(out.outputs[0].metrics.get("cached_prompt_tokens", 0) for out in self._latest.values())
         reasoning = [self.builder.reasoning_tokens(p * self.params.n + o.index, o.token_ids)
                      for p, out in self._latest.items() for o in out.outputs]
+        finished = [o.metrics for out in self._latest.values() for o in out.outputs if o.finish_reason is not None]
+        kv_cache = None if not finished or len(finished) < len(self.prompts) * self.params.n else KVCacheUsage(
+            kv_blocks_peak=max(m["kv_blocks_peak"] for m in finished),
+            kv_budget_tokens=max(m["kv_budget_tokens"] for m in finished))
         return Usage.of(sum(map(len, self.prompts)), generated, cached,
-                        sum(reasoning) if reasoning and None not in reasoning else None)
+                        sum(reasoning) if reasoning and None not in reasoning else None, kv_cache)
 
     async def response(self) -> JSONResponse:
         async for _ in self.outputs():

@@ -178,8 +178,12 @@ class SamplingFields(_Strict):
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    kv_budget: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = Field(
-        None, description="KV tokens kept per sequence; 0 = full KV (zipage extension)")
+    kv_budget: Annotated[int, Field(ge=0, le=INT32_MAX)] | Literal["auto"] | None = Field(
+        None, description="KV tokens kept per sequence; 0 = full KV; \"auto\" = sized at each compaction by the "
+                          "attention it would evict (zipage extension)")
+    kv_budget_max: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = Field(
+        None, description="kv_budget \"auto\": the most KV tokens kept per sequence; default: the server's "
+                          "(zipage extension)")
     eviction_policy: Literal[EVICTION_POLICIES] | None = Field(
         None, description="which tokens a full sequence keeps; default: the server's (zipage extension)")
     keep_prompt: bool | None = Field(
@@ -202,8 +206,8 @@ class SamplingFields(_Strict):
     SAMPLING: ClassVar[tuple[str, ...]] = (
         "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
         "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
-        "include_stop_str_in_output", "kv_budget", "eviction_policy", "keep_prompt", "prompt_compression",
-        "prompt_logprobs")
+        "include_stop_str_in_output", "kv_budget", "kv_budget_max", "eviction_policy", "keep_prompt",
+        "prompt_compression", "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:

@@ -73,19 +73,27 @@ class CompletionTokensDetails(ResponseBody):
     reasoning_tokens: int  # generated tokens of the reasoning, its tags included (with a reasoning parser)
 
 
+class KVCacheUsage(ResponseBody):
+    """The KV memory of the request's largest sequence (zipage extension)."""
+
+    kv_blocks_peak: int  # the most KV blocks it held at once
+    kv_budget_tokens: int  # its budget when it finished, in tokens (0: full KV; an automatic one's last size)
+
+
 class Usage(ResponseBody):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     completion_tokens_details: CompletionTokensDetails | None = None  # with a reasoning parser
     prompt_tokens_details: PromptTokensDetails | None = None  # absent from continuous_usage_stats chunks
+    kv_cache: KVCacheUsage | None = None  # once every sequence finished
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
-           reasoning_tokens: int | None = None) -> Usage:
+           reasoning_tokens: int | None = None, kv_cache: KVCacheUsage | None = None) -> Usage:
         """OpenAI's usage; `cached_tokens`: prompt tokens found in the prefix cache, `reasoning_tokens`:
-        completion tokens of the reasoning (each None: no such details)."""
-        details = {}
+        completion tokens of the reasoning, `kv_cache`: its KV memory (each None: no such details)."""
+        details = {} if kv_cache is None else {"kv_cache": kv_cache}
         if reasoning_tokens is not None:
             details["completion_tokens_details"] = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
         if cached_tokens is not None:

@@ -71,3 +71,14 @@ def compaction_tables(batch: RunningBatch, rows: np.ndarray, plans: list[Compres
         prompt_len=batch.num_prompt[rows], position_offset=computed - kv, quote_end=batch.quote_end[rows],
         in_prompt=computed <= prefill)
     return t
+
+
+def measurement_tables(batch: RunningBatch, rows: np.ndarray, b: int, w: int, num_query_slots: int) -> CompactionTables:
+    """The tables of measuring `rows` (automatic budgets at their compaction point): scored as
+    their compaction would score them, each keeping every token in its own blocks, so nothing
+    moves and the program reports what each budget would evict."""
+    t = compaction_tables(batch, rows, [], b, w, num_query_slots)
+    n = len(rows)
+    t.blocks[1, :n] = t.blocks[0, :n]
+    t.rows.budget[:n] = batch.num_kv_slots[rows]
+    return t

@@ -35,7 +35,7 @@ from jax.sharding import SingleDeviceSharding
 from zipage_jax.backend import Backend
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.pool_plan import KVPoolPlan
-from zipage_jax.engine.runner.compaction import CompactionTables, compaction_tables
+from zipage_jax.engine.runner.compaction import CompactionTables, compaction_tables, measurement_tables
 from zipage_jax.engine.runner.executable_store import engine_store
 from zipage_jax.engine.runner.forward import StagedForward, layers_per_group
 from zipage_jax.engine.runner.grid import GridProgram, ProgramGrid
@@ -206,16 +206,28 @@ class ModelRunner:
             jax.block_until_ready(self.state)
             self.compress_seconds += time.perf_counter() - start
 
-    def run_compaction(self, key: tuple, tables: CompactionTables) -> None:
-        """The compaction program `key` over every layer of the device state."""
+    def measure(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), w] the attention share each of `rows` (automatic budgets at their
+        compaction point) would evict keeping j blocks: the compaction program keeping every
+        token, read back at once (compress/auto_budget.py)."""
+        key = self.grid.compress_key(len(rows), int(self.running.num_blocks[rows].max()))
+        tables = measurement_tables(self.running, rows, key[1], key[3], self.inputs.num_query_slots)
+        return np.mean(jax.device_get(self.run_compaction(key, tables)), axis=0)[:len(rows)]
+
+    def run_compaction(self, key: tuple, tables: CompactionTables) -> list[jax.Array]:
+        """The compaction program `key` over every layer of the device state; per layer [b, w] the
+        evicted attention shares (left on the device)."""
         kv = self.abstract_state.kv
         self.compressor.get(key, KVState(kv.pools[:1], kv.queries[:1]), *tables)  # built before it is relayed
         self._relay("run_compaction", key, tables)
         pools, queries = list(self.state.kv.pools), list(self.state.kv.queries)
+        lost = []
         for i in range(len(pools)):  # one program, called per layer
-            layer = self.compressor(key, KVState((pools[i],), (queries[i],)), *tables)
+            layer, layer_lost = self.compressor(key, KVState((pools[i],), (queries[i],)), *tables)
             pools[i], queries[i] = layer.pools[0], layer.queries[0]
+            lost.append(layer_lost)
         self.state = self.state._replace(kv=KVState(tuple(pools), tuple(queries)))
+        return lost
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -225,11 +237,16 @@ class ModelRunner:
         the host may read now: every one but this step's with asynchronous scheduling (the device
         computes it while the host prepares the next), all of them when this step samples a
         structured output's token (the next mask needs it)."""
-        if scheduled.compressions or len(scheduled.compact_rows):
+        measured = None
+        if scheduled.num_compactions:
+            rows = np.concatenate([scheduled.compaction_rows(), scheduled.measure_rows])
             try:
-                self.compress(scheduled)
+                if len(scheduled.measure_rows):
+                    measured = self.measure(scheduled.measure_rows)
+                if len(rows) > len(scheduled.measure_rows):
+                    self.compress(scheduled)
             except Exception as exc:
-                raise CompactionFailed(self.running.seq_id[scheduled.compaction_rows()].tolist(), exc) from exc
+                raise CompactionFailed(self.running.seq_id[rows].tolist(), exc) from exc
         failures: list[RowFailure] = []
         if scheduled.chunks or len(scheduled.decode_rows):
             batches, failures = self.dispatch(scheduled)
@@ -242,7 +259,7 @@ class ModelRunner:
                 constrained=any(b.constrained for b in batches)))
         keep = 1 if self.config.async_scheduling and self._in_flight and not self._in_flight[-1].constrained \
             and (scheduled.chunks or len(scheduled.decode_rows)) else 0
-        output = RunnerOutput(failures=failures)
+        output = RunnerOutput(failures=failures, measured=measured)
         while len(self._in_flight) > keep:
             waiting = time.perf_counter()
             output.fetched.append(self._fetch(self._in_flight.popleft()))

@@ -100,3 +100,5 @@ class RunnerOutput:
     fetched: list[FetchedStep] = field(default_factory=list)
     failures: list[RowFailure] = field(default_factory=list)
     wait_seconds: float = 0.0
+    # [len(measure_rows), w] what each measured row would evict keeping j blocks (ModelRunner.measure)
+    measured: np.ndarray | None = None

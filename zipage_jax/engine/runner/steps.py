@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from zipage_jax.backend import Backend
 from zipage_jax.compress.config import CompressionConfig
 from zipage_jax.compress.policies import CompressRows
-from zipage_jax.compress.step import compress
-from zipage_jax.engine.sharding import TensorParallel
+from zipage_jax.compress.step import compress_measured
+from zipage_jax.engine.sharding import TP, TensorParallel
 from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.layers.sampler import SamplerState, record_inputs
 
@@ -25,25 +25,28 @@ class DeviceState(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp", "rope"), donate_argnames=("kv",))
 def compress_layer(kv: KVState, blocks: jax.Array, per_row: jax.Array, *, cfg: CompressionConfig, backend: Backend,
-                   tp: TensorParallel | None, rope: tuple[float, ...]) -> KVState:
+                   tp: TensorParallel | None, rope: tuple[float, ...]) -> tuple[KVState, jax.Array]:
     """One compaction step of one layer (`kv` holds that layer only): the runner calls the same
     program for every layer, so its compile time does not grow with depth. The tables come
-    in two arrays (runner/compaction.py CompactionTables)."""
+    in two arrays (runner/compaction.py CompactionTables). Also returns [b, w] the attention
+    share each row would evict keeping j blocks (an automatic budget's measurement)."""
     # blocks: [2, b, w] i32 (the blocks read, the blocks written); per_row: [3 + len(CompressRows), b] i32
     block_tables, target_tables = blocks[0], blocks[1]
     num_blocks, query_ids, compressed = per_row[0], per_row[1], per_row[2] != 0
     rows = CompressRows(*per_row[3:])
 
-    def step(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows) -> KVState:
+    def step(kv: KVState, block_tables, num_blocks, query_ids, compressed, target_tables, rows):
         queries = list(kv.queries)
         if tp is not None:
             queries, query_ids = tp.group_queries(queries, query_ids)
-        pools = compress(list(kv.pools), queries, block_tables, num_blocks, query_ids, compressed, target_tables,
-                         rows, cfg, backend, rope)
-        return kv._replace(pools=tuple(pools))
+        pools, lost = compress_measured(list(kv.pools), queries, block_tables, num_blocks, query_ids, compressed,
+                                        target_tables, rows, cfg, backend, rope)
+        if tp is not None:  # each shard measured its own kv heads
+            lost = jax.lax.pmean(lost, TP)
+        return kv._replace(pools=tuple(pools)), lost
 
     if tp is not None:  # each shard compresses its own kv heads
-        step = tp.per_shard_kv(step, kv)
+        step = tp.per_shard_kv(step, kv, replicated_out=True)
     return step(kv, block_tables, num_blocks, query_ids, compressed, target_tables, rows)
 
 

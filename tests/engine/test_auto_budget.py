@@ -1,0 +1,106 @@
+"""kv_budget="auto" in the engine: a budget that grows while compacting would evict too much
+attention, stays within its ceiling, compacts rather than take a block another sequence needs,
+and reports its memory (compress/auto_budget.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zipage_jax import LLM, SamplingParams
+
+OPTIONS = dict(kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+               auto_budget_min=32, compilation_cache_dir="")
+PROMPTS = [[(7 * i + j) % 300 + 3 for i in range(20 + 3 * j)] for j in range(4)]
+
+
+def generate(llm: LLM, prompts, **params) -> list[dict]:
+    params = SamplingParams(**{"temperature": 0, "max_tokens": 120, "ignore_eos": True, **params})
+    return [r["outputs"][0] for r in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir):
+    """threshold -> an engine (a fresh pool each): 0 accepts no loss, 0.99 almost any."""
+    return {t: LLM(str(llama_dir), num_kvcache_blocks=128, auto_budget_threshold=t, **OPTIONS) for t in (0.0, 0.99)}
+
+
+def test_no_acceptable_loss_grows_to_the_ceiling(engines):
+    outs = generate(engines[0.0], PROMPTS, kv_budget="auto", kv_budget_max=96)  # 6 blocks
+    for out in outs:  # 140+ tokens: past the ceiling, so each compacts there
+        m = out["metrics"]
+        assert m["kv_budget_tokens"] == 96 and m["num_compressions"] > 0
+        assert m["kv_blocks_peak"] == 96 // 16 + 1
+
+
+def test_a_lenient_threshold_keeps_the_floor(engines):
+    outs = generate(engines[0.99], PROMPTS, kv_budget="auto", kv_budget_max=96)
+    for out in outs:
+        m = out["metrics"]
+        assert m["kv_budget_tokens"] == 32 and m["num_compressions"] > 0  # the floor: auto_budget_min
+        assert m["kv_blocks_peak"] <= -(-(len(PROMPTS[-1]) + 1) // 16) + 1  # it starts at its prompt's blocks
+
+
+def test_a_budget_that_never_reaches_its_ceiling_is_full_kv(engines):
+    llm = engines[0.0]
+    full = generate(llm, PROMPTS, kv_budget=0)
+    auto = generate(llm, PROMPTS, kv_budget="auto", kv_budget_max=256)
+    assert [o["token_ids"] for o in auto] == [o["token_ids"] for o in full]
+    assert all(o["metrics"]["num_compressions"] == 0 for o in auto)
+    # positive control: a lenient threshold compacts, and the tokens change
+    lenient = generate(engines[0.99], PROMPTS, kv_budget="auto", kv_budget_max=256)
+    assert all(o["metrics"]["num_compressions"] > 0 for o in lenient)
+    assert [o["token_ids"] for o in lenient] != [o["token_ids"] for o in full]
+
+
+def test_a_budget_that_cannot_grow_compacts(llama_dir):
+    """A pool too small for every budget's growth: a compressed sequence with no free block for
+    its grown budget compacts to what it holds, rather than preempt another or wait."""
+    llm = LLM(str(llama_dir), num_kvcache_blocks=30, auto_budget_threshold=0.0, **OPTIONS)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, kv_budget="auto", kv_budget_max=256)
+    outs = [r["outputs"][0] for r in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert all(len(o["token_ids"]) == 200 for o in outs)
+    metrics = [o["metrics"] for o in outs]
+    assert all(m["num_compressions"] > 0 and m["kv_budget_tokens"] < 256 for m in metrics)  # the pool, not the ceiling
+    assert sum(m["num_preemptions"] for m in metrics) == 0 and llm.engine.get_stats().num_preemptions == 0
+
+
+def test_growth_changes_no_other_request(llama_dir):
+    """A full-KV request beside growing budgets in a short pool gets exactly its tokens alone."""
+    llm = LLM(str(llama_dir), num_kvcache_blocks=40, auto_budget_threshold=0.0, **OPTIONS)
+    params = dict(temperature=0, max_tokens=200, ignore_eos=True)
+    alone = generate(llm, [PROMPTS[0]], kv_budget=0, max_tokens=200)[0]
+    batch = [SamplingParams(kv_budget=0, **params)] + [SamplingParams(kv_budget="auto", kv_budget_max=256,
+                                                                      **params)] * 3
+    outs = [r["outputs"][0] for r in llm.generate(PROMPTS, batch, use_tqdm=False)]
+    assert outs[0]["token_ids"] == alone["token_ids"]
+    assert all(len(o["token_ids"]) == 200 and o["finish_reason"] == "length" for o in outs)
+
+
+def test_every_output_reports_its_budget(engines):
+    llm = engines[0.0]
+    full, fixed = generate(llm, PROMPTS[:1], kv_budget=0)[0], generate(llm, PROMPTS[:1], kv_budget=32)[0]
+    assert full["metrics"]["kv_budget_tokens"] == 0 and full["metrics"]["kv_blocks_peak"] == -(-(20 + 120) // 16)
+    assert fixed["metrics"]["kv_budget_tokens"] == 32 and fixed["metrics"]["kv_blocks_peak"] <= 32 // 16 + 2
+
+
+def test_bad_automatic_budgets_are_refused(engines):
+    llm = engines[0.0]
+    for params, match in ((dict(kv_budget="auto", eviction_policy="streaming"), "does not rank tokens"),
+                          (dict(kv_budget="auto", kv_budget_max=16), "below this engine's auto_budget_min=32")):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([[5, 6]], SamplingParams(max_tokens=2, **params), use_tqdm=False)
+    for params, match in ((dict(kv_budget="most"), "token count or \"auto\""),
+                          (dict(kv_budget=64, kv_budget_max=128), "kv_budget_max bounds an automatic budget"),
+                          (dict(kv_budget="auto", keep_prompt=True), "keep_prompt needs a fixed kv_budget"),
+                          (dict(kv_budget="auto", kv_budget_max=0), "kv_budget_max")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**params)
+
+
+def test_the_engine_default_can_be_automatic(llama_dir):
+    llm = LLM(str(llama_dir), num_kvcache_blocks=128, auto_budget=True, auto_budget_max=64, **OPTIONS)
+    out = generate(llm, PROMPTS[:1])[0]  # no kv_budget of its own
+    assert out["metrics"]["kv_budget_tokens"] in (32, 48, 64) and out["metrics"]["num_compressions"] > 0
+    assert generate(llm, PROMPTS[:1], kv_budget=0)[0]["metrics"]["kv_budget_tokens"] == 0
+    with pytest.raises(ValueError, match="two default budgets"):
+        LLM(str(llama_dir), auto_budget=True, max_cache_blocks_per_seq=4, **OPTIONS)
