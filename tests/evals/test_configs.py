@@ -23,7 +23,7 @@ def test_config_pairs_are_parsed_and_validated():
     assert [(c.policy, c.budget) for c in got] == [("full", 0), ("streaming", 64), ("zipage", 128),
                                                    ("vnorm-prompt", "auto")]
     for bad, match in (("streaming", "POLICY@BUDGET"), ("nope@64", "unknown policy"), ("zipage@-3", "POLICY@BUDGET"),
-                       ("zipage@0", "POLICY@BUDGET")):
+                       ("zipage@0", "positive token counts")):
         with pytest.raises(ValueError, match=match):
             configs.parse_configs([bad])
 

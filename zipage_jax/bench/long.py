@@ -11,9 +11,10 @@ Workload: N requests, prompts cut from the standard library's argparse.py (no sh
 each generating --max-tokens tokens greedily with EOS ignored; every other request has a
 repetition penalty. Two engines share the loaded model and one pool of the same number of
 blocks, so the same bytes: "compressed" keeps --budget tokens per sequence (the engine's default
-policy and scoring; engine options such as --eviction-policy change them), "full" keeps every
-token. The pool is either what compression needs to hold all N at once, N * (budget / block + 1)
-+ 1 blocks, so full KV holds fewer and preempts or queues the rest (presets default, quick), or
+policy and scoring; engine options such as --eviction-policy change them; with --auto-budget an
+automatic budget, --budget its ceiling), "full" keeps every token. The pool is either what
+compression needs to hold all N at once, N * (budget / block + 1) + 1 blocks, so full KV holds
+fewer and preempts or queues the rest (presets default, quick), or
 what full KV needs to hold all N to the end, N * ceil((longest prompt + max tokens) / block) + 1
 blocks (`pool_holds_full_kv`: presets attention, default-4k), so full KV never preempts and its
 step time shows what attention over a growing context costs.

@@ -62,6 +62,7 @@ import numpy as np
 
 from zipage_jax.bench.common import add_output_arguments, emit, log, usage_error
 from zipage_jax.bench.stepping import EngineRun, drive, warm_up
+from zipage_jax.bench.task_table import run_task_table
 from zipage_jax.bench.workload import (
     RECOMMENDED_SCORING,
     Pool,
@@ -72,6 +73,7 @@ from zipage_jax.bench.workload import (
     size_pools,
     workload_overrides,
 )
+from zipage_jax.compress.auto_budget import parse_budget
 
 PRESETS = {
     # 32 concurrent long generations; full KV holds about 4 of them at once
@@ -375,59 +377,6 @@ def run_sweep(workload: Workload, budgets: list[int], policies: list[str], model
     }
 
 
-def run_humaneval(split: str, budget_tokens: int, model: str, options: dict | None = None, limit: int | None = None,
-                  max_tokens: int = 512, block_size: int = 16, interleave: bool = True, log=None,
-                  warmup: bool = True) -> dict:
-    """The paper's table on HumanEval: full KV and the default policy at `budget_tokens`, on one
-    pool that holds every request at that budget, timed side by side on the problems' chat
-    prompts (greedy, ending at EOS); both runs' answers graded, so the pass ratio comes from the
-    very outputs that were timed."""
-    from zipage_jax.chat import chat_prompt_ids
-    from zipage_jax.evals import code
-    from zipage_jax.evals.datasets import humaneval_problems
-    from zipage_jax.models.loading import load_model
-
-    options = {k: v for k, v in (options or {}).items() if k not in ("eviction_policy", "kvcache_memory_gb")}
-    loaded = load_model(model, dtype=options.get("dtype"), revision=options.get("revision"),
-                        download_dir=options.get("download_dir"))
-    problems = humaneval_problems((split,), limit)
-    prompts = [chat_prompt_ids(loaded.tokenizer, code.messages(p)) for p in problems]
-    lengths = [len(p) for p in prompts]
-    workload = Workload(requests=len(prompts), prompt_len_min=min(lengths), prompt_len_max=max(lengths),
-                        max_tokens=max_tokens, block_size=block_size, budget_blocks=-(-budget_tokens // block_size))
-    workload.check()
-    pool = size_pools(workload, loaded, ["auto"], options.get("tensor_parallel_size", 1))["auto"]
-    compressed = f"default@{workload.budget_blocks * block_size}"
-    configs = {"full": engine_config(model, workload, False, options, pool),
-               compressed: engine_config(model, workload, True, options, pool, scoring={})}
-    outputs: dict[str, list[dict]] = {}
-    rows = bench_modes(loaded, configs, prompts, max_tokens, interleave, log, warmup, ignore_eos=False,
-                       answers=outputs)
-    answers = {(name, p.task_id): out for name, outs in outputs.items() for p, out in zip(problems, outs, strict=True)}
-    statuses = code.grade(problems, answers)
-    for name, row in rows.items():
-        row["passed"] = sum(statuses[name, p.task_id] == "passed" for p in problems)
-        row["pass_at_1"] = row["passed"] / len(problems)
-        row["mean_generated_tokens"] = row["output_tokens"] / len(problems)
-    full, zipage = rows["full"], rows[compressed]
-    return {
-        **pair_summary(full, zipage, pool, float(np.mean(lengths)) + full["mean_generated_tokens"]),
-        "pass_at_1_full": full["pass_at_1"],
-        "pass_at_1_compressed": zipage["pass_at_1"],
-        "pass_ratio": zipage["passed"] / full["passed"] if full["passed"] else None,
-        "tokens_ratio": zipage["mean_generated_tokens"] / full["mean_generated_tokens"],
-        "split": split,
-        "problems": len(problems),
-        "budget_tokens": workload.budget_blocks * block_size,
-        "model": str(loaded.source),
-        "options": options,
-        "interleaved": interleave,
-        "warmup": warmup,
-        "workload": asdict(workload),
-        "runs": rows,
-    }
-
-
 def format_sweep(summary: dict) -> str:
     """The sweep as a Markdown table (full KV first)."""
     lines = ["| policy | budget (blocks / tokens / of context) | tok/s | mean / peak running | preemptions "
@@ -456,11 +405,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sweep: compressed budgets in blocks (max_cache_blocks_per_seq values)")
     parser.add_argument("--policies", nargs="+", metavar="POLICY", choices=list(POLICIES),
                         help=f"sweep: eviction policies, of {', '.join(POLICIES)} (default: zipage vnorm-prompt)")
-    parser.add_argument("--humaneval", choices=("dev", "heldout"),
-                        help="the paper's table on HumanEval's chat prompts of this split: full KV against the "
-                             "default policy at --humaneval-budget, throughput and pass ratio from one run")
-    parser.add_argument("--humaneval-budget", type=int, default=128, help="kv_budget tokens of the compressed run")
-    parser.add_argument("--limit", type=int, help="--humaneval: at most this many problems")
+    for task, what in (("humaneval", "HumanEval's"), ("gsm8k", "GSM8K's")):
+        parser.add_argument(f"--{task}", choices=("dev", "heldout"),
+                            help=f"the paper's table on {what} chat prompts of this split: full KV against the "
+                                 "default policy at --task-budget, throughput and pass ratio from one run")
+    parser.add_argument("--task-budget", type=parse_budget, default=128,
+                        help="--humaneval / --gsm8k: the compressed run's kv_budget, tokens or auto")
+    parser.add_argument("--pool-budget", type=int, default=128,
+                        help="--task-budget auto: the pool holds every request at this many tokens")
+    parser.add_argument("--limit", type=int, help="--humaneval / --gsm8k: at most this many problems")
     # engine options: --model, --kvcache-block-size, --num-kvcache-blocks, --max-cache-blocks-per-seq, ...;
     # --no-warmup compiles on first use instead of before timing (that compile time is left out too)
     add_engine_arguments(parser)
@@ -497,8 +450,10 @@ def run(args: argparse.Namespace) -> int:
     warmup = options.pop("warmup", True)
     if args.budgets or args.policies:
         return _run_sweep(args, workload, model, options, warmup)
-    if args.humaneval:
-        return _run_humaneval(args, workload, model, options, warmup)
+    if args.humaneval and args.gsm8k:
+        usage_error("bench throughput", "--humaneval and --gsm8k are two tables: give one")
+    if args.humaneval or args.gsm8k:
+        return _run_task_table(args, workload, model, options, warmup)
     workload.check()
     pool = f"{workload.pool_gb} GiB" if workload.pool_gb else f"{workload.num_pool_blocks} blocks"
     log(f"workload: {workload.requests} requests, prompts {workload.prompt_len_min}-{workload.prompt_len_max} "
@@ -516,15 +471,16 @@ def run(args: argparse.Namespace) -> int:
     return emit(summary, args)
 
 
-def _run_humaneval(args: argparse.Namespace, workload: Workload, model: str, options: dict, warmup: bool) -> int:
-    summary = run_humaneval(args.humaneval, args.humaneval_budget, model, options, args.limit,
-                            args.max_tokens or 512, workload.block_size, interleave=not args.sequential, log=log,
-                            warmup=warmup)
-    log(f"{summary['problems']} {summary['split']} problems, pool {summary['pool']['blocks']} blocks: full KV "
+def _run_task_table(args: argparse.Namespace, workload: Workload, model: str, options: dict, warmup: bool) -> int:
+    task = "humaneval" if args.humaneval else "gsm8k"
+    summary = run_task_table(task, args.humaneval or args.gsm8k, args.task_budget, model, options, args.limit,
+                             args.max_tokens or 512, workload.block_size, interleave=not args.sequential, log=log,
+                             warmup=warmup, pool_budget=args.pool_budget)
+    log(f"{summary['problems']} {summary['split']} {task} problems, pool {summary['pool']['blocks']} blocks: full KV "
         f"{summary['throughput_full']:.1f} tok/s (pass@1 {summary['pass_at_1_full']:.3f}), default at "
-        f"{summary['budget_tokens']} tokens {summary['throughput_zipage']:.1f} tok/s (pass@1 "
-        f"{summary['pass_at_1_compressed']:.3f}): speedup {summary['speedup']:.2f}x at pass ratio "
-        f"{summary['pass_ratio']}")
+        f"{summary['budget']} {summary['throughput_zipage']:.1f} tok/s (pass@1 "
+        f"{summary['pass_at_1_compressed']:.3f}, peak KV {summary['peak_kv_ratio']:.2f}x): speedup "
+        f"{summary['speedup']:.2f}x at pass ratio {summary['pass_ratio']}")
     return emit(summary, args)
 
 

@@ -112,17 +112,22 @@ def make_prompts(tokenizer, workload: Workload) -> list[list[int]]:
 def engine_config(model: str, workload: Workload, compressed: bool, options: dict, pool: Pool,
                   scoring: dict = RECOMMENDED_SCORING):
     """The engine of one run: `options`, then the workload's sizes and `pool`; compressed runs
-    get `scoring` (under the options) and the workload's budget."""
+    get `scoring` (under the options) and the workload's budget, or with the option
+    `auto_budget` an automatic budget whose ceiling is the workload's budget (unless
+    `auto_budget_max` says otherwise)."""
     from zipage_jax import EngineConfig
 
     base = dict(max_num_seqs=workload.requests, max_model_len=workload.prompt_len_max + workload.max_tokens)
     base.update({k: v for k, v in options.items() if k != "kvcache_memory_gb"})
     base.update(model=model, kvcache_block_size=workload.block_size, num_kvcache_blocks=pool.blocks,
                 kv_cache_dtype=pool.kv_cache_dtype)
-    if compressed:
+    if compressed and base.get("auto_budget"):
+        base = {**scoring, "auto_budget_max": workload.budget_blocks * workload.block_size, **base,
+                "max_cache_blocks_per_seq": None}
+    elif compressed:
         base = {**scoring, **base, "max_cache_blocks_per_seq": workload.budget_blocks}
     else:
-        base["max_cache_blocks_per_seq"] = None
+        base.update(max_cache_blocks_per_seq=None, auto_budget=False)
     return EngineConfig.from_options(**base)
 
 

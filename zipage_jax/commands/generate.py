@@ -9,6 +9,7 @@ import os
 import sys
 
 from zipage_jax.cli_options import add_distributed_arguments, add_engine_arguments, engine_options, start_distributed
+from zipage_jax.compress.auto_budget import parse_budget
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
     parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
-    parser.add_argument("--kv-budget", type=int, default=None, help="per-request KV budget in tokens (0 = full KV)")
+    parser.add_argument("--kv-budget", type=parse_budget, default=None,
+                        help="per-request KV budget in tokens (0 = full KV), or auto (sized at each compaction)")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_arguments(parser)

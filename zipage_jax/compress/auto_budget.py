@@ -40,6 +40,18 @@ class AutoBudget:
     threshold: float  # the largest share of attention a compaction may evict
 
 
+def parse_budget(text: str) -> int | str:
+    """A command line's kv_budget: "auto" or a token count (0: full KV)."""
+    if text == AUTO:
+        return AUTO
+    if not text.isdigit():
+        raise ValueError(f"a kv_budget is a token count or {AUTO!r}, got {text!r}")
+    return int(text)
+
+
+parse_budget.__name__ = "kv_budget"  # argparse's "invalid kv_budget value: ..."
+
+
 def choose(losses: np.ndarray, num_blocks: np.ndarray, budget_blocks: np.ndarray, floor: np.ndarray,
            ceiling: np.ndarray, grow: np.ndarray, threshold: np.ndarray,
            free_blocks: int) -> tuple[np.ndarray, np.ndarray]:

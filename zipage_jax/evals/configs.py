@@ -12,7 +12,7 @@ import argparse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from zipage_jax.compress.auto_budget import AUTO
+from zipage_jax.compress.auto_budget import AUTO, parse_budget
 from zipage_jax.compress.policies import POLICIES
 
 FULL_KV = "full"
@@ -37,15 +37,6 @@ class EvalConfig:
                               eviction_policy=None if full else self.policy, keep_prompt=keep_prompt and not full)
 
 
-def parse_budget(text: str) -> Budget:
-    """A command line's budget: "auto" or a positive token count."""
-    if text == AUTO:
-        return AUTO
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"a budget is a positive token count or {AUTO!r}, got {text!r}")
-    return int(text)
-
-
 def configs(policies: Sequence[str], budgets: Sequence[Budget]) -> list[EvalConfig]:
     """Full KV, then every policy at every budget."""
     for policy in policies:
@@ -63,7 +54,7 @@ def parse_configs(pairs: Sequence[str]) -> list[EvalConfig]:
     for pair in pairs:
         policy, _, budget = pair.partition("@")
         try:
-            out += configs([policy], [parse_budget(budget)])[1:]
+            out += configs([policy], [parse_budget(budget)])[1:]  # 0 is refused there
         except ValueError as exc:
             raise ValueError(f"a config is POLICY@BUDGET (e.g. vnorm-prompt@128 or vnorm-prompt@auto), "
                              f"got {pair!r}: {exc}") from exc
