@@ -56,10 +56,12 @@ class EngineConfig:
                                           "each compaction keeps the fewest blocks that lose at most "
                                           "auto_budget_threshold of the attention, else the budget grows "
                                           "(instead of max_cache_blocks_per_seq)")
-    auto_budget_threshold: float = option(0.05, doc="kv_budget=\"auto\": the largest share of the cached queries' "
+    auto_budget_threshold: float = option(0.01, doc="kv_budget=\"auto\": the largest share of the cached queries' "
                                                     "attention a compaction may evict")
     auto_budget_min: int = option(64, doc="kv_budget=\"auto\": the fewest KV tokens a sequence keeps, and the "
                                           "tokens its budget grows by (rounded up to blocks)")
+    auto_budget_keeps_prompt: bool = option(False, doc="kv_budget=\"auto\": never keep fewer tokens than the "
+                                                       "prompt's (within auto_budget_max)")
     auto_budget_max: int = option(2048, doc="kv_budget=\"auto\": the most KV tokens a sequence keeps (rounded "
                                             "down to blocks); SamplingParams.kv_budget_max overrides it")
     query_cache_len: int = option(16, doc="the last queries of a sequence kept to score its tokens (at most "

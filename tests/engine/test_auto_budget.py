@@ -40,6 +40,15 @@ def test_a_lenient_threshold_keeps_the_floor(engines):
         assert m["kv_blocks_peak"] <= -(-(len(PROMPTS[-1]) + 1) // 16) + 1  # it starts at its prompt's blocks
 
 
+def test_a_budget_that_keeps_its_prompt(llama_dir):
+    llm = LLM(str(llama_dir), num_kvcache_blocks=128, auto_budget_threshold=0.99, auto_budget_keeps_prompt=True,
+              **OPTIONS)
+    prompts = [PROMPTS[0], PROMPTS[0] * 3]  # 20 and 60 tokens
+    outs = generate(llm, prompts, kv_budget="auto", kv_budget_max=96)
+    assert [o["metrics"]["kv_budget_tokens"] for o in outs] == [32, 64]  # the floor, or the prompt's blocks
+    assert all(o["metrics"]["num_compressions"] > 0 for o in outs)
+
+
 def test_a_budget_that_never_reaches_its_ceiling_is_full_kv(engines):
     llm = engines[0.0]
     full = generate(llm, PROMPTS, kv_budget=0)

@@ -137,8 +137,8 @@ class Admission:
     def _auto_budget(self, params: SamplingParams, policy: Policy, options: PolicyOptions,
                      prompt_len: int) -> KVBudget:
         """An automatic budget (compress/auto_budget.py): bounds from the engine's auto_budget_min
-        and auto_budget_max (or the request's kv_budget_max, within the pool), starting at the
-        prompt's blocks within them."""
+        (or with auto_budget_keeps_prompt the prompt's tokens, if more) and auto_budget_max (or the
+        request's kv_budget_max, within the pool), starting at the prompt's blocks within them."""
         config, bs, ql = self.config, self.pool.block_size, self.config.query_cache_len
         if policy.score in (Score.POSITION, Score.FUTURE):
             raise ValueError(f"kv_budget=\"auto\" measures the attention a compaction would evict; policy "
@@ -155,7 +155,8 @@ class Admission:
                 return False
             return True
 
-        auto = auto_budget.bounds(config.auto_budget_min, ceiling, config.auto_budget_min,
+        floor = max(config.auto_budget_min, prompt_len if config.auto_budget_keeps_prompt else 0)
+        auto = auto_budget.bounds(min(floor, ceiling), ceiling, config.auto_budget_min,
                                   config.auto_budget_threshold, bs, holds_protected)
         blocks = min(auto.ceiling, max(auto.floor, -(-prompt_len // bs)))
         return dataclasses.replace(resolve_budget(policy, options, blocks, bs, ql), auto=auto, options=options)

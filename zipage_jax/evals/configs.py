@@ -105,6 +105,12 @@ def format_table(table: dict[str, list[dict]], max_tokens: int) -> str:
     return "\n".join(lines)
 
 
+def _flag(text: str) -> bool:
+    if text not in ("true", "false"):
+        raise ValueError(f"true or false, got {text!r}")
+    return text == "true"
+
+
 # the engine options a task evaluation takes, with its defaults (the others are the engine's)
 ENGINE_DEFAULTS = {"kvcache_block_size": 16, "max_num_seqs": 64, "kvcache_memory_gb": 4.0}
 ENGINE_OVERRIDES = {"sink_len": (int, "override every policy's sinks"),
@@ -112,7 +118,9 @@ ENGINE_OVERRIDES = {"sink_len": (int, "override every policy's sinks"),
                     "prompt_fraction": (float, "override the policies' prompt reserve"),
                     "auto_budget_threshold": (float, "auto budgets: the largest attention share a compaction evicts"),
                     "auto_budget_min": (int, "auto budgets: the fewest tokens kept, and the growth step"),
-                    "auto_budget_max": (int, "auto budgets: the most tokens kept")}
+                    "auto_budget_max": (int, "auto budgets: the most tokens kept"),
+                    "auto_budget_keeps_prompt": (_flag, "auto budgets: never fewer tokens than the prompt's "
+                                                        "(true/false)")}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
