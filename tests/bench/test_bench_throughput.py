@@ -122,12 +122,12 @@ def test_humaneval_table_times_and_grades_the_same_outputs(llama_dir, monkeypatc
 def test_task_table_at_an_automatic_budget(llama_dir, monkeypatch, bench_args, last_json):
     monkeypatch.setattr("zipage_jax.evals.code.grade", lambda problems, answers: dict.fromkeys(answers, "passed"))
     argv = ["--model", llama_dir, "--json", "--humaneval", "heldout", "--limit", "2", "--task-budget", "auto",
-            "--pool-budget", "96", "--max-tokens", "40", "--max-num-batched-tokens", "256", "--auto-budget-min", "32",
+            "--pool-budget", "256", "--max-tokens", "40", "--max-num-batched-tokens", "256", "--auto-budget-min", "32",
             "--auto-budget-max", "64"]
     assert throughput.run(bench_args("throughput", *argv)) == 0
     out = last_json()
     full, auto = out["runs"]["full"], out["runs"]["default@auto"]
-    assert out["budget"] == "auto" and out["budget_tokens"] is None and out["pool_budget_tokens"] == 96
+    assert out["budget"] == "auto" and out["budget_tokens"] is None and out["pool_budget_tokens"] == 256
     assert out["pass_ratio"] == 1.0 and auto["compressions"] > 0 and full["compressions"] == 0
     assert auto["mean_peak_kv_tokens"] < full["mean_peak_kv_tokens"]
     assert out["peak_kv_ratio"] == pytest.approx(auto["mean_peak_kv_tokens"] / full["mean_peak_kv_tokens"])

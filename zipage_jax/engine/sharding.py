@@ -92,12 +92,12 @@ class TensorParallel:
         """Inside jit: pins the returned KV state to its input layout (steady jit cache keys)."""
         return jax.lax.with_sharding_constraint(kv, self.kv_shardings(kv))
 
-    def per_shard_kv(self, fn: Callable, kv: KVState, replicated_out: bool = False) -> Callable:
-        """shard_map of `fn(kv, *replicated) -> kv` (with `replicated_out`, `-> (kv, x)` where x is
-        the same on every shard): fn sees each shard's heads only; every other argument (a
+    def per_shard_kv(self, fn: Callable, kv: KVState, shard_out: bool = False) -> Callable:
+        """shard_map of `fn(kv, *replicated) -> kv` (with `shard_out`, `-> (kv, x)`, each shard's x
+        stacked along x's first axis): fn sees each shard's heads only; every other argument (a
         pytree) is replicated."""
         specs = self.kv_specs(kv)
-        out_specs = (specs, P()) if replicated_out else specs
+        out_specs = (specs, P(TP)) if shard_out else specs
 
         def run(kv: KVState, *replicated):
             # check_vma off: Pallas calls inside do not carry varying-axis types.

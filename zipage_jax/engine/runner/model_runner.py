@@ -212,11 +212,11 @@ class ModelRunner:
         token, read back at once (compress/auto_budget.py)."""
         key = self.grid.compress_key(len(rows), int(self.running.num_blocks[rows].max()))
         tables = measurement_tables(self.running, rows, key[1], key[3], self.inputs.num_query_slots)
-        return np.mean(jax.device_get(self.run_compaction(key, tables)), axis=0)[:len(rows)]
+        return np.mean(jax.device_get(self.run_compaction(key, tables)), axis=(0, 1))[:len(rows)]  # layers, shards
 
     def run_compaction(self, key: tuple, tables: CompactionTables) -> list[jax.Array]:
-        """The compaction program `key` over every layer of the device state; per layer [b, w] the
-        evicted attention shares (left on the device)."""
+        """The compaction program `key` over every layer of the device state; per layer [shards, b, w]
+        the evicted attention shares (left on the device)."""
         kv = self.abstract_state.kv
         self.compressor.get(key, KVState(kv.pools[:1], kv.queries[:1]), *tables)  # built before it is relayed
         self._relay("run_compaction", key, tables)

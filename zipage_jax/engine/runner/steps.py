@@ -13,7 +13,7 @@ from zipage_jax.backend import Backend
 from zipage_jax.compress.config import CompressionConfig
 from zipage_jax.compress.policies import CompressRows
 from zipage_jax.compress.step import compress_measured
-from zipage_jax.engine.sharding import TP, TensorParallel
+from zipage_jax.engine.sharding import TensorParallel
 from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.layers.sampler import SamplerState, record_inputs
 
@@ -28,8 +28,9 @@ def compress_layer(kv: KVState, blocks: jax.Array, per_row: jax.Array, *, cfg: C
                    tp: TensorParallel | None, rope: tuple[float, ...]) -> tuple[KVState, jax.Array]:
     """One compaction step of one layer (`kv` holds that layer only): the runner calls the same
     program for every layer, so its compile time does not grow with depth. The tables come
-    in two arrays (runner/compaction.py CompactionTables). Also returns [b, w] the attention
-    share each row would evict keeping j blocks (an automatic budget's measurement)."""
+    in two arrays (runner/compaction.py CompactionTables). Also returns [shards, b, w] the
+    attention share each row would evict keeping j blocks, per shard of kv heads (an automatic
+    budget's measurement; no collective, so the compaction stays free of them)."""
     # blocks: [2, b, w] i32 (the blocks read, the blocks written); per_row: [3 + len(CompressRows), b] i32
     block_tables, target_tables = blocks[0], blocks[1]
     num_blocks, query_ids, compressed = per_row[0], per_row[1], per_row[2] != 0
@@ -41,12 +42,10 @@ def compress_layer(kv: KVState, blocks: jax.Array, per_row: jax.Array, *, cfg: C
             queries, query_ids = tp.group_queries(queries, query_ids)
         pools, lost = compress_measured(list(kv.pools), queries, block_tables, num_blocks, query_ids, compressed,
                                         target_tables, rows, cfg, backend, rope)
-        if tp is not None:  # each shard measured its own kv heads
-            lost = jax.lax.pmean(lost, TP)
-        return kv._replace(pools=tuple(pools)), lost
+        return kv._replace(pools=tuple(pools)), lost[None]  # a shard's own kv heads: averaged on the host
 
     if tp is not None:  # each shard compresses its own kv heads
-        step = tp.per_shard_kv(step, kv, replicated_out=True)
+        step = tp.per_shard_kv(step, kv, shard_out=True)
     return step(kv, block_tables, num_blocks, query_ids, compressed, target_tables, rows)
 
 
