@@ -362,10 +362,8 @@ class Scheduler:
 
     def _schedule_one(self, seq: Sequence, out: SchedulerOutput, budget: StepBudget) -> None:
         if self._cannot_grow(seq):  # an automatic budget keeps what it holds rather than take from others
-            b = self.batch
-            seq.budget = seq.budget.resized(seq.num_blocks - 1, self.block_manager.block_size, seq.query_cache_len)
-            b.set_budget(seq.row, seq.budget)
-            b.measured[seq.row] = True
+            self._resize_budget(seq.row, seq.num_blocks - 1)
+            self.batch.measured[seq.row] = True
         if self._needs_compression(seq):
             if out.num_compactions < self.max_compress_seqs:
                 plan = self.block_manager.plan_compression(seq)
@@ -633,16 +631,20 @@ class Scheduler:
         new budget at once (its point holds) or grows to it; either way `Sequence.budget` follows."""
         if not len(rows):
             return
-        b, bs = self.batch, self.block_manager.block_size
+        b = self.batch
         blocks, compacts = choose(losses, b.num_blocks[rows], b.budget_blocks[rows], b.auto_floor[rows],
                                   b.auto_ceiling[rows], b.auto_grow[rows], b.auto_threshold[rows],
                                   self.block_manager.num_free_blocks)
         b.measuring[rows], b.measured[rows] = False, compacts
         for row, m in zip(rows.tolist(), blocks.tolist()):
-            seq = b.seqs[row]
-            if m != seq.budget.blocks:
-                seq.budget = seq.budget.resized(m, bs, seq.query_cache_len)
-                b.set_budget(row, seq.budget)
+            if m != b.budget_blocks[row]:
+                self._resize_budget(row, m)
+
+    def _resize_budget(self, row: int, blocks: int) -> None:
+        """An automatic budget at `blocks` blocks, in its sequence and its row."""
+        seq = self.batch.seqs[row]
+        seq.budget = seq.budget.resized(blocks, self.block_manager.block_size, seq.query_cache_len)
+        self.batch.set_budget(row, seq.budget)
 
     def _commit(self, chunk: Chunk) -> None:
         """The chunk was dispatched: its K/V are in the pool for every later step, and its
