@@ -53,7 +53,7 @@ def add_distributed_arguments(parser: argparse.ArgumentParser) -> argparse._Argu
 
 def start_distributed(args: argparse.Namespace) -> None:
     """jax.distributed.initialize from the flags (nothing without --coordinator-address)."""
-    from zipage_jax.engine.sharding import initialize_distributed
+    from zipage_jax.engine.distributed import initialize_distributed
 
     initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
 

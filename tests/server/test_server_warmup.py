@@ -264,7 +264,8 @@ def serve_run(monkeypatch):
 
     def fake_create_app(client, names, *args, **kwargs):
         calls.append(dict(kwargs, client=client))
-        return types.SimpleNamespace(state=types.SimpleNamespace(engine_client=client))
+        serving = types.SimpleNamespace(stop_admitting=None, abort_in_flight=None)
+        return types.SimpleNamespace(state=types.SimpleNamespace(engine_client=client, serving=serving))
 
     monkeypatch.setattr(serve_command, "create_app", fake_create_app)
     monkeypatch.setattr(serve_command, "MultiProcessEngineClient", fake_client)

@@ -17,15 +17,28 @@ generous bounds. With --api-key (or ZIPAGE_API_KEY / VLLM_API_KEY) the /v1 and t
 routes need `Authorization: Bearer KEY`. docs/openai-compatibility.md lists every parameter and
 route.
 
+SIGTERM or SIGINT drains the server (server/shutdown.py): it stops admitting at once (/health,
+generation and tokenizer routes answer 503 "the server is shutting down", the port still open),
+lets the requests in flight finish for at most --shutdown-timeout seconds (default 30; 0: none),
+aborts those left (a 503, or an error event then `data: [DONE]` ending a stream) and exits with
+status 0; a second signal aborts at once. The engine core's process, the data-parallel replicas and the local Ray
+stop with it, and process 0 of a group stops the others (a signalled one goes on until then, a
+second signal ending it at once).
+
 One model over several processes (hosts): every process runs the same command with its own
 --process-id, --coordinator-address HOST:PORT naming process 0's host, and a
 --tensor-parallel-size spanning every process's devices. Process 0 serves HTTP and schedules;
 the others build the same engine and replay each device call of process 0's, sent over a TCP
 connection to process 0's relay port (--relay-port, by default the coordinator's port + 1,
-listening on the coordinator's host only). Its messages are pickles: the group's network must be
-trusted, as it must be for jax.distributed. When a process is lost, process 0 fails the requests
-in flight and exits with status 1, and the others exit with status 1 when process 0 does, so a
-supervisor restarts the group (engine/runner/step_relay.py).
+listening on the coordinator's host only). Every process holds the group's secret,
+ZIPAGE_RELAY_SECRET or the file --relay-secret-file names (at least 16 characters; process 0
+generates one and prints it to stderr when given none): before anything else crosses a relay
+connection both ends prove they hold it (HMAC challenge and response), and a connection that
+does not is dropped with a warning. The messages are msgpack frames of a fixed schema, bounded in
+size, never pickles. The others send process 0 a heartbeat every second; one silent for 10 s
+counts as lost. When a process is lost, process 0 fails the requests in flight and exits with
+status 1, and the others exit with status 1 when process 0 does, so a supervisor restarts the
+group (engine/runner/step_relay.py).
 
 Several replicas of the model behind one server: --data-parallel-size N runs N engines as Ray
 actors (a local Ray instance, or the cluster $RAY_ADDRESS names), each with its own devices,
@@ -55,12 +68,14 @@ from zipage_jax.cli_options import (
 )
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.core import EngineCore
+from zipage_jax.engine.runner.relay_auth import MIN_SECRET_CHARS, SECRET_ENV, new_secret, relay_secret
 from zipage_jax.engine.runner.step_relay import EXIT_STATUS, LeaderRelay, exit_now, follow, relay_address
 from zipage_jax.server import create_app
 from zipage_jax.server.auth import api_key_from
 from zipage_jax.server.config import ServerConfig, server_option_fields
 from zipage_jax.server.engine_client import EngineClient, InProcessEngineClient, RequestFailed
 from zipage_jax.server.process_client import MultiProcessEngineClient
+from zipage_jax.server.shutdown import ENGINE_STOP_S, GracefulServer, defer_signals_to_process_0
 
 logger = logging.getLogger("zipage_jax")
 
@@ -76,8 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = add_distributed_arguments(parser)
     group.add_argument("--relay-port", type=int, metavar="PORT",
                        help="the TCP port process 0 listens on, on the coordinator's host, for the other processes, "
-                            "which replay its device calls (default: the coordinator's port + 1); its messages are "
-                            "pickles: the group's network must be trusted, as for jax.distributed")
+                            "which replay its device calls (default: the coordinator's port + 1); a connection must "
+                            "prove it holds the group's relay secret before process 0 reads anything else of it")
+    group.add_argument("--relay-secret-file", metavar="PATH",
+                       help=f"a file holding the group's relay secret, the same in every process (at least "
+                            f"{MIN_SECRET_CHARS} characters; default: ${SECRET_ENV}; process 0 generates one and "
+                            "prints it when neither is given)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     relay: LeaderRelay | None = None
     cluster = None  # data-parallel serving's Ray
+    engine_stop: float | None = None  # the engine's time to stop once drained (None: its step in progress ends)
 
     def core() -> EngineCore:
         built = EngineCore(**options)
@@ -113,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             client = InProcessEngineClient(core)
         else:
             client = MultiProcessEngineClient(engine_config, log_level=config.log_level)
+            engine_stop = ENGINE_STOP_S  # then its process is killed
         app = create_app(client, config.served_model_name or [options["model"]],
                          stop, max_n=config.max_n, max_request_bytes=config.max_request_bytes, limits=config.limits,
                          on_engine_error=stop, max_queued_requests=config.max_queued_requests,
@@ -121,8 +142,9 @@ def run(args: argparse.Namespace) -> int:
                          tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
                          stream_interval=config.stream_interval)
         address = relay_address(args.coordinator_address, args.relay_port) if (args.num_processes or 1) > 1 else None
+        secret = _relay_secret(args) if address is not None else b""
         if address is not None and not args.process_id:  # process 0 listens before the group forms
-            relay = LeaderRelay(*address, args.num_processes - 1, on_lost=peer_lost)
+            relay = LeaderRelay(*address, args.num_processes - 1, on_lost=peer_lost, secret=secret)
         start_distributed(args)
     except ValueError as exc:
         _usage_error(str(exc))
@@ -131,9 +153,13 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.process_id:
-        return _follow(options, address, args.process_id, warmup)
+        defer_signals_to_process_0(force_exit=exit_now)
+        return _follow(options, address, args.process_id, warmup, secret)
     served = app if relay is None else _on_shutdown(app, lambda: _stop_group(relay, client))
-    server = uvicorn.Server(uvicorn.Config(served, host=config.host, port=config.port, log_level=config.log_level))
+    serving = app.state.serving
+    server = GracefulServer(uvicorn.Config(served, host=config.host, port=config.port, log_level=config.log_level),
+                            config.shutdown_timeout, lambda: serving.stop_admitting(engine_stop),
+                            serving.abort_in_flight)
     try:
         server.run()
     finally:
@@ -147,8 +173,7 @@ def _failed(client: EngineClient) -> bool:
 
 
 def _on_shutdown(app: ASGIApp, shutdown: Callable[[], None]) -> ASGIApp:
-    """`app`, calling `shutdown()` once its lifespan has shut down: before uvicorn raises again the
-    signal that stopped it (SIGINT, SIGTERM), which ends the process."""
+    """`app`, calling `shutdown()` once its lifespan has shut down (its engine stopped)."""
     async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "lifespan":
             return await app(scope, receive, send)
@@ -169,17 +194,32 @@ def _stop_group(relay: LeaderRelay, client: EngineClient) -> None:
     if relay.lost is not None or _failed(client):
         exit_now()
     relay.close()
-    # They leave the jax.distributed group as they exit: this process leaves with them now, before
-    # uvicorn ends it by raising the signal that stopped it again (its coordination service gone
-    # unannounced would abort them).
+    # They leave the jax.distributed group as they exit: this process leaves with them now (its
+    # coordination service gone unannounced would abort them).
     jax.distributed.shutdown()
 
 
-def _follow(options: dict, address: tuple[str, int], process_id: int, warmup: bool) -> int:
+def _relay_secret(args: argparse.Namespace) -> bytes:
+    """The group's relay secret (--relay-secret-file, else $ZIPAGE_RELAY_SECRET); process 0 given
+    none generates one and prints it once. ValueError for another process given none."""
+    secret = relay_secret(os.environ, args.relay_secret_file)
+    if secret is not None:
+        return secret
+    if args.process_id:
+        raise ValueError(f"process {args.process_id} needs the group's relay secret, the one process 0 has: set "
+                         f"{SECRET_ENV} or pass --relay-secret-file PATH")
+    generated = new_secret()
+    print(f"zipage-jax serve: the relay's secret, generated as none was given: {generated}\n"
+          f"  give every other process of the group the same: {SECRET_ENV}={generated} in its environment, or "
+          "--relay-secret-file PATH naming a file that holds it", file=sys.stderr, flush=True)
+    return generated.encode()
+
+
+def _follow(options: dict, address: tuple[str, int], process_id: int, warmup: bool, secret: bytes) -> int:
     """Process 1 .. N-1: builds the engine as process 0 does and replays its device calls until it
     stops (0); exits at once (status 1) when process 0 is gone or a call failed."""
     try:
-        status = follow(EngineCore(**options).runner, address, process_id, warmup)
+        status = follow(EngineCore(**options).runner, address, process_id, warmup, secret)
     except Exception:  # noqa: BLE001 - the group cannot serve without this process
         logger.exception("process %d cannot follow process 0", process_id)
         status = EXIT_STATUS

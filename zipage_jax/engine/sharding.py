@@ -1,4 +1,4 @@
-"""Tensor parallelism over a one-axis `tp` device mesh, and multi-process start-up.
+"""Tensor parallelism over a one-axis `tp` device mesh.
 
 Megatron-style layout, expressed as NamedShardings so XLA's SPMD partitioner does the rest:
   qkv_proj, gate/up_proj     kernel [E, out] split on out, bias on out (qkv_proj's columns are
@@ -212,23 +212,6 @@ def shard_ready(loaded: LoadedModel, size: int) -> LoadedModel:
             value = fuse_qkv(q, k, v, cfg.num_kv_heads)  # q head i now joins copy i // (G/r) of its kv head
         flat[key] = value
     return dataclasses.replace(loaded, config=cfg, model=decoder_from_flat(cfg, loaded.model.dtype, flat))
-
-
-def initialize_distributed(coordinator_address: str | None, num_processes: int | None,
-                           process_id: int | None) -> None:
-    """jax.distributed.initialize for a multi-process run (CPU collectives over gloo); call before
-    anything touches a JAX device. Does nothing when no coordinator is given."""
-    if coordinator_address is None:
-        if num_processes not in (None, 1) or process_id not in (None, 0):
-            raise ValueError("--num-processes and --process-id need --coordinator-address")
-        return
-    if num_processes is None or process_id is None:
-        raise ValueError("--coordinator-address needs --num-processes and --process-id")
-    if not 0 <= process_id < num_processes:
-        raise ValueError(f"process id must be in [0, {num_processes}), got {process_id}")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
 
 
 def _place(tree, shardings):

@@ -96,6 +96,7 @@ def create_app(client: EngineClient, served_model_names: list[str],
     app.state.engine_client = client
     app.state.preprocessor = serving.preprocessor
     app.state.queue = serving.queue
+    app.state.serving = serving  # stop_admitting, abort_in_flight: the server's shutdown (shutdown.py)
     install_error_handlers(app)
     install_openapi(app, _REQUEST_MODELS, served.names, limits, key is not None)
     _add_routes(app, serving)

@@ -23,7 +23,7 @@ ROUTING_POLICIES = ("cache_aware", "round_robin")  # data_parallel.router's (the
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Raises ValueError for a bad limit; create_app checks the others."""
+    """Raises ValueError for a bad limit or shutdown timeout; create_app checks the others."""
 
     host: str = option("127.0.0.1", doc="interface to bind")
     port: int = option(8000, doc="TCP port to listen on")
@@ -40,6 +40,11 @@ class ServerConfig:
         DEFAULT_MAX_QUEUED_REQUESTS, metavar="N",
         doc="the most sequences (prompts x n) admitted and waiting for their first token; a generation request that "
             "would make more wait is answered 503 with Retry-After")
+    shutdown_timeout: float = option(
+        30.0, metavar="SECONDS",
+        doc="on SIGTERM or SIGINT the server stops admitting (new requests and /health answer 503) and lets the "
+            "requests in flight finish for at most this long, then aborts those left (a 503 error, or an error event "
+            "ending the stream) and exits; 0: abort them at once; a second signal aborts at once too")
     stream_interval: int = option(
         1, metavar="N", doc="tokens of a streamed completion per chunk (the last chunk may hold fewer): 1 sends every "
                             "token as it comes; a larger N costs the server's process less per token at high "
@@ -77,6 +82,10 @@ class ServerConfig:
             "response_format, structured_outputs or tool grammar after it: deepseek_r1 (DeepSeek-R1, QwQ: the text up "
             "to </think> is reasoning, all of it without one), qwen3 (Qwen3: reasoning only in a <think> block at the "
             "start); default: none, the output is all content")
+
+    def __post_init__(self) -> None:
+        if not self.shutdown_timeout >= 0:  # NaN too
+            raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout:g}")
 
     @classmethod
     def from_options(cls, **options) -> ServerConfig:

@@ -16,12 +16,13 @@ from starlette.types import Receive, Scope, Send
 from zipage_jax.engine.outputs import RequestOutput, TokenLogprob
 from zipage_jax.sampling_params import SamplingParams
 from zipage_jax.server.engine_client import EngineClient, RequestFailed
-from zipage_jax.server.errors import error_body, internal_message
+from zipage_jax.server.errors import OpenAIError
 from zipage_jax.server.format_thread import FormatThread
 from zipage_jax.server.output_sink import OutputSink
 from zipage_jax.server.queue_capacity import Reservation
 from zipage_jax.server.response_builders import ResponseBuilder
 from zipage_jax.server.responses import KVCacheUsage, ResponseBody, Usage
+from zipage_jax.server.shutdown import ServerShuttingDown
 
 
 @dataclass(frozen=True)
@@ -188,8 +189,8 @@ class Generation:
                     yield events
             if include_usage:
                 yield _sse(self.builder.chunk([], self.usage(), include_usage=True).body())
-        except RequestFailed:
-            yield _sse(error_body(500, internal_message(self.request_id)))
+        except RequestFailed as exc:
+            yield _sse(failure_error(exc, self.request_id).body())
         yield "data: [DONE]\n\n"
 
     def _stream_events(self, stream: _Stream, p: int, out: RequestOutput, include_usage: bool,
@@ -232,6 +233,14 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+def failure_error(exc: RequestFailed, request_id: str) -> OpenAIError:
+    """What the client is told of its failed request: a 503 when the server aborted it to shut down,
+    else a 500 naming the request id (the log says why)."""
+    if isinstance(exc, ServerShuttingDown):
+        return OpenAIError(503, str(exc))
+    return OpenAIError.internal(request_id)
 
 
 async def until_disconnected(request: Request, work: asyncio.Future | asyncio.Task) -> object | None:

@@ -18,13 +18,14 @@ from zipage_jax.server.chat_output import ChatParsing
 from zipage_jax.server.engine_client import EngineClient, RequestFailed
 from zipage_jax.server.errors import OpenAIError
 from zipage_jax.server.format_thread import FormatThread
-from zipage_jax.server.generation import EventStream, Generation, until_disconnected
+from zipage_jax.server.generation import EventStream, Generation, failure_error, until_disconnected
 from zipage_jax.server.limits import RequestLimits
 from zipage_jax.server.metrics import ServerMetrics
 from zipage_jax.server.preprocess import Preprocessor
 from zipage_jax.server.protocol import SamplingFields
 from zipage_jax.server.queue_capacity import QueueCapacity
 from zipage_jax.server.served import ServedModels
+from zipage_jax.server.shutdown import SHUTTING_DOWN, ServerShuttingDown
 from zipage_jax.server.structured import Grammar
 
 CLIENT_CLOSED = 499
@@ -49,6 +50,8 @@ class OpenAIServing:
         self.format_thread = FormatThread()
         self.client = client
         self._on_load_error, self._on_engine_error, self._warmup = on_load_error, on_engine_error, warmup
+        self.draining = False  # the server is shutting down (stop_admitting)
+        self._engine_stop_timeout = 30.0
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -57,12 +60,27 @@ class OpenAIServing:
                           on_load_error=self._on_load_error, on_engine_error=self._on_engine_error,
                           warmup=self._warmup)
         yield
-        self.client.stop()
+        self.client.stop(self._engine_stop_timeout)
         self.preprocessor.shutdown()
         self.format_thread.shutdown()
 
+    def stop_admitting(self, engine_stop_timeout: float | None = None) -> None:
+        """The server is shutting down: /health and the routes that need the engine answer 503 from
+        now on; `engine_stop_timeout`: the engine's time to stop with the app, its step in progress
+        included, if not the usual (flags: safe in a signal handler)."""
+        self.draining = True
+        if engine_stop_timeout is not None:
+            self._engine_stop_timeout = engine_stop_timeout
+
+    def abort_in_flight(self) -> None:
+        """Ends every request in flight with ServerShuttingDown (a 503, or an error event)."""
+        self.client.fail_requests(ServerShuttingDown())
+
     def ready_engine(self) -> ModelInfo:
-        """The engine's model, once it can serve; OpenAIError 503 while it loads, warms up or has failed."""
+        """The engine's model, once it can serve; OpenAIError 503 while it loads, warms up or has
+        failed, and once the server is shutting down."""
+        if self.draining:
+            raise OpenAIError(503, SHUTTING_DOWN)
         client = self.client
         if not client.ready.is_set():
             raise OpenAIError(503, "the model is still loading" if client.load_error is None
@@ -103,8 +121,8 @@ class OpenAIServing:
                                on_close=generation.abort)
         try:
             result = await until_disconnected(request, asyncio.ensure_future(generation.response()))
-        except RequestFailed:  # logged by the engine client
-            raise OpenAIError.internal(generation.request_id) from None
+        except RequestFailed as exc:  # logged by the engine client
+            raise failure_error(exc, generation.request_id) from None
         finally:
             generation.abort()
         return Response(status_code=CLIENT_CLOSED) if result is None else result
