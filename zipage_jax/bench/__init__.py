@@ -12,5 +12,7 @@ SUBCOMMANDS = {
     "xla-attention": "the XLA decode attention path's time per step",
     "data-parallel": "replicas on Ray behind the server: cache-aware routing against round robin, a replica killed "
                      "mid-workload, outputs against one engine's",
+    "soak": "mixed traffic against a live server for a bounded time: unexpected errors, greedy answers against "
+            "offline, leaked KV blocks, memory growth and latency drift",
     "plot": "the figures in docs/ from the JSON results",
 }
