@@ -760,6 +760,7 @@ def test_two_processes_serve_one_processs_greedy_tokens_full_and_compressed(grou
     coordinator_port = int(group.coordinator.rsplit(":", 1)[1])
     assert {int(group.http.rsplit(":", 1)[1]), coordinator_port} <= {port for *_, port in listeners}, listeners
     assert len({pid for pid, *_ in listeners}) >= 2, listeners  # both processes listen (gloo), on loopback alone
+    group.procs[1].send_signal(signal.SIGTERM)  # a supervisor stops every process: the follower waits for process 0
     group.procs[0].send_signal(signal.SIGTERM)  # a clean stop: the follower is told and exits 0
     assert group.wait_exit(0, EXIT_BOUND_S) == 0  # a graceful stop (server/shutdown.py)
     assert group.wait_exit(1, EXIT_BOUND_S) == 0

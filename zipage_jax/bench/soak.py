@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import time
 
 from zipage_jax.bench.common import add_output_arguments, emit, log, usage_error
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         "kill_replica_at_s": kill_at}}
     start = time.monotonic()
     mix = Mix(weights, args.seed, model, MAX_REQUEST_BYTES)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a stopped bench stops its server (and its Ray) first
     try:
         observed = _serve(server_options, mix, args, kill_at)
     except (RuntimeError, TimeoutError) as exc:
@@ -121,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
     result.update(wall_seconds=round(time.monotonic() - start, 1))
     log(table(result))
     return emit(result, args, status=0 if all_met(result) else 1)
+
+
+def _exit_on_sigterm(sig: int, frame: object) -> None:
+    raise SystemExit(128 + sig)
 
 
 def _serve(options: dict, mix: Mix, args: argparse.Namespace, kill_at: float | None) -> dict:

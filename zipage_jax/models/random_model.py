@@ -35,6 +35,9 @@ class ByteTokenizer:
     def convert_tokens_to_string(self, tokens) -> str:
         return "".join(tokens)
 
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.convert_tokens_to_string(self.convert_ids_to_tokens(ids))
+
 
 # random-initialised models by name (ModelConfig fields): Qwen3's architecture (GQA, q/k norms)
 # at sizes where attention over a long context dominates a CPU step, and a tiny one whose device
