@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 / Qwen3 checkpoints in transformers' format, built offline.
+"""Tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral checkpoints in transformers' format, built offline.
 
 The tokenizer is byte-level BPE over the 256 byte tokens plus ChatML specials and a fixed
 list of merges (" a".." z", common English pairs) filling the model's vocab_size, so every id decodes.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ARCHS = ("qwen3", "qwen2", "llama")
+MOE_ARCHS = ("qwen3_moe", "mixtral")  # mixtures of experts (not in ARCHS: the dense families' fixtures)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -46,6 +47,12 @@ _ARCH_CONFIGS = {
             original_max_position_embeddings=64,
         ),
     ),
+    # 8 experts of width 32, top 2, weights not renormalised; q/k norm; untied
+    "qwen3_moe": dict(head_dim=32, tie_word_embeddings=False, rope_theta=1_000_000.0, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False),
+    # 4 experts of width 48 (intermediate_size), top 2, always renormalised; tied
+    "mixtral": dict(tie_word_embeddings=True, rope_theta=1_000_000.0, num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=48),
 }
 
 
@@ -82,8 +89,9 @@ def hf_config(arch: str, **overrides):
     import transformers
 
     if arch not in _ARCH_CONFIGS:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
-    cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS + MOE_ARCHS}")
+    cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
     return cls[arch](**{**_COMMON, **_ARCH_CONFIGS[arch], **overrides})
 
 

@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "startup": "seconds from import to the first token, cold and warm, with and without warm-up",
     "gpu": "the Pallas kernels and the engine on a GPU, each against its reference",
     "xla-attention": "the XLA decode attention path's time per step",
+    "moe": "a mixture-of-experts decode step against one dense MLP of the same active width",
     "data-parallel": "replicas on Ray behind the server: cache-aware routing against round robin, a replica killed "
                      "mid-workload, outputs against one engine's",
     "soak": "mixed traffic against a live server for a bounded time: unexpected errors, greedy answers against "

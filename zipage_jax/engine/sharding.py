@@ -4,6 +4,8 @@ Megatron-style layout, expressed as NamedShardings so XLA's SPMD partitioner doe
   qkv_proj, gate/up_proj     kernel [E, out] split on out, bias on out (qkv_proj's columns are
                              grouped per kv head: a shard holds whole kv heads and their query heads)
   o_proj, down_proj          kernel [in, E] split on in; their outputs are the only all-reduces
+  experts' gate/up_proj      [experts, E, width] split on width, down_proj [experts, width, E]
+                             split on width (each expert's MLP split like the dense one); router replicated
   embeddings, norms, biases of o/down                   replicated
   KV pool k, v [NB, BS, Hkv, D] (int4: D / 2 bytes)      split on Hkv
   score cache, quantized pools' scales [NB, BS, Hkv]     split on Hkv
@@ -146,6 +148,8 @@ def param_spec(path: tuple) -> P:
     names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
     names = [n for n in names if n != "value"]
     module, leaf = names[-2], names[-1]
+    if module == "experts":  # stacked expert kernels [experts, in, out]
+        return P(None, TP, None) if leaf in _ROW_PARALLEL else P(None, None, TP)
     if module in _COLUMN_PARALLEL:
         return P(None, TP) if leaf == "kernel" else P(TP)
     if module in _ROW_PARALLEL and leaf == "kernel":
@@ -186,9 +190,9 @@ def check_divisible(cfg: ModelConfig, size: int) -> int:
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         raise ValueError(f"tensor_parallel_size {size} and the {cfg.num_kv_heads} kv heads must divide one another "
                          f"(kv heads are split when there are more, repeated when there are fewer)")
-    if cfg.intermediate_size % size:
+    if cfg.mlp_width % size:
         raise ValueError(f"tensor_parallel_size {size} must divide the MLP intermediate size "
-                         f"({cfg.intermediate_size})")
+                         f"({cfg.mlp_width})")
     return max(1, size // cfg.num_kv_heads)
 
 

@@ -7,12 +7,14 @@ from typing import Any, Literal
 
 from zipage_jax.layers.rotary import RopeScaling
 
-Architecture = Literal["llama", "qwen2", "qwen3"]
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 _MODEL_TYPES = {family: name for name, family in ARCHITECTURES.items()}
 
@@ -39,6 +41,11 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # mixture of experts (0 experts: a dense MLP of intermediate_size in every layer)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = False  # the top-k router weights renormalised to sum to 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -47,6 +54,14 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+
+    @property
+    def mlp_width(self) -> int:
+        """The intermediate width of each layer's MLP (one expert's, for a mixture of experts)."""
+        return self.moe_intermediate_size if self.num_experts else self.intermediate_size
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelConfig":
@@ -79,9 +94,10 @@ class ModelConfig:
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=architecture == "qwen2" or attention_bias,
             o_bias=architecture != "qwen2" and attention_bias,
-            qk_norm=architecture == "qwen3",
+            qk_norm=architecture in ("qwen3", "qwen3_moe"),
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,)),
+            **_experts(c, architecture),
         )
 
 
@@ -96,6 +112,38 @@ def _architecture(c: dict) -> Architecture:
     if model_type not in _MODEL_TYPES:
         raise ValueError(f"unsupported architecture (model_type {model_type!r}); supported: {supported}")
     return model_type
+
+
+def _experts(c: dict, architecture: Architecture) -> dict[str, Any]:
+    """The mixture-of-experts fields of Qwen3-MoE and Mixtral (none for dense families).
+
+    Qwen3-MoE routes every layer when decoder_sparse_step is 1 and mlp_only_layers is empty;
+    dense layers among sparse ones are refused (one compiled layer program serves every layer).
+    Mixtral always renormalises its top-k weights; its sliding window is refused where it would
+    mask anything (transformers applies it whenever sliding_window is set)."""
+    if architecture not in ("qwen3_moe", "mixtral"):
+        return {}
+    for name in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if c.get(name):
+            raise ValueError(f"unsupported {name}={c[name]!r} (shared experts)")
+    num_experts = c.get("num_experts") or c.get("num_local_experts") or 0  # transformers writes either
+    if architecture == "mixtral":
+        window = c.get("sliding_window")
+        if window is not None and window < c["max_position_embeddings"]:
+            raise ValueError(f"unsupported sliding_window={window} (below max_position_embeddings="
+                             f"{c['max_position_embeddings']}: sliding-window attention)")
+        return dict(num_experts=num_experts, num_experts_per_tok=c["num_experts_per_tok"],
+                    moe_intermediate_size=c["intermediate_size"], norm_topk_prob=True)
+    if not num_experts:  # transformers builds every layer dense then
+        return {}
+    if c.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"unsupported decoder_sparse_step={c['decoder_sparse_step']} (dense layers among "
+                         "sparse ones); only 1 is supported")
+    if c.get("mlp_only_layers"):
+        raise ValueError(f"unsupported mlp_only_layers={c['mlp_only_layers']} (dense layers among sparse ones); "
+                         "only an empty list is supported")
+    return dict(num_experts=num_experts, num_experts_per_tok=c["num_experts_per_tok"],
+                moe_intermediate_size=c["moe_intermediate_size"], norm_topk_prob=bool(c.get("norm_topk_prob")))
 
 
 def _rope(c: dict) -> tuple[float, RopeScaling | None]:

@@ -1,11 +1,14 @@
-"""One Flax NNX decoder for Llama, Qwen2 and Qwen3 (GQA, tied or untied embeddings).
+"""One Flax NNX decoder for Llama, Qwen2, Qwen3 and their mixtures of experts Qwen3-MoE and Mixtral
+(GQA, tied or untied embeddings).
 
 Module and parameter names mirror transformers' (`layers[i].self_attn.o_proj`, ...) so the
 checkpoint mapping in weights.py is mechanical; a Linear stores `kernel: [in, out]`. One is
 fused: `self_attn.qkv_proj` holds q/k/v_proj (one matmul instead of three), its columns grouped
 per kv head: its G query heads, its k head, its v head, so a column shard over whole kv heads
 holds their query heads too (tensor parallel); weights.fuse_qkv builds it. gate/up_proj stay
-apart: fusing them was slower at large batches on CPU.
+apart: fusing them was slower at large batches on CPU. A mixture of experts replaces each
+layer's MLP by `mlp.gate` (the router) and `mlp.experts.{gate,up,down}_proj`, every expert's
+kernel stacked: [E, in, out] (layers/moe.py runs them).
 
 Attention is delegated: each layer calls
     out, cache = attn_fn(layer_idx, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D], cache)
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zipage_jax.layers.moe import grouped_mlp, route
 from zipage_jax.layers.norms import RMSNorm
 from zipage_jax.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin
 from zipage_jax.models.config import ModelConfig
@@ -106,12 +110,33 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = _param(rngs, (E, H, I), dtype)
+        self.up_proj = _param(rngs, (E, H, I), dtype)
+        self.down_proj = _param(rngs, (E, I, H), dtype)
+
+
+class SparseMoeBlock(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=dtype, rngs=rngs)
+        self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        flat = x.reshape(-1, x.shape[-1])  # flat: [B * T, E]
+        weights, experts = route(self.gate(flat), self.top_k, self.renormalize)
+        e = self.experts
+        return grouped_mlp(flat, weights, experts, e.gate_proj[...], e.up_proj[...], e.down_proj[...]).reshape(x.shape)
+
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = (SparseMoeBlock if cfg.num_experts else MLP)(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(
         self, layer_idx: int, x: jax.Array, cos: jax.Array, sin: jax.Array, attn_fn: AttnFn, cache: Any

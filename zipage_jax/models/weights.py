@@ -75,6 +75,10 @@ def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int) -> tuple[jax.Ar
     return q.reshape(*lead, -1), k.reshape(*lead, -1), v.reshape(*lead, -1)
 
 
+# Mixtral's names for its expert MLPs, as Qwen3-MoE (and transformers' own loader) call them
+_MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+
+
 def decoder_from_hf(cfg: ModelConfig, dtype: jnp.dtype, tensors: Mapping[str, np.ndarray]) -> Decoder:
     """tensors: transformers names ("model.layers.0.self_attn.q_proj.weight", ...) -> arrays."""
     flat = {}
@@ -82,9 +86,14 @@ def decoder_from_hf(cfg: ModelConfig, dtype: jnp.dtype, tensors: Mapping[str, np
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         key = name.removeprefix("model.")
-        if key.endswith("_proj.weight"):  # torch Linear [out, in] -> our kernel [in, out]
+        if cfg.architecture == "mixtral":
+            for old, new in _MIXTRAL_NAMES.items():
+                key = key.replace(old, new)
+        if key.endswith(("_proj.weight", ".mlp.gate.weight")):  # torch Linear [out, in] -> our kernel [in, out]
             key, value = key.removesuffix("weight") + "kernel", value.T
         flat[key] = value
+    if cfg.num_experts:
+        _stack_experts(flat, cfg)
     for i, leaf in itertools.product(range(cfg.num_layers), ("kernel", "bias")):
         parts = [f"layers.{i}.self_attn.{p}_proj.{leaf}" for p in "qkv"]
         missing = [p for p in parts if p not in flat]
@@ -94,3 +103,13 @@ def decoder_from_hf(cfg: ModelConfig, dtype: jnp.dtype, tensors: Mapping[str, np
             raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {', '.join(missing)}")
         flat[f"layers.{i}.self_attn.qkv_proj.{leaf}"] = fuse_qkv(*(flat.pop(p) for p in parts), cfg.num_kv_heads)
     return decoder_from_flat(cfg, dtype, flat)
+
+
+def _stack_experts(flat: dict, cfg: ModelConfig) -> None:
+    """In place: each layer's `mlp.experts.{j}.{p}_proj.kernel` (j < E) -> `mlp.experts.{p}_proj` [E, in, out]."""
+    for i, proj in itertools.product(range(cfg.num_layers), ("gate_proj", "up_proj", "down_proj")):
+        parts = [f"layers.{i}.mlp.experts.{j}.{proj}.kernel" for j in range(cfg.num_experts)]
+        missing = [p for p in parts if p not in flat]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} expert parameter(s): {', '.join(missing[:8])}")
+        flat[f"layers.{i}.mlp.experts.{proj}"] = np.stack([np.asarray(flat.pop(p)) for p in parts])

@@ -1,0 +1,89 @@
+"""A mixture-of-experts MLP: a softmax router picks k experts per token, and the experts run as
+grouped matrix products over the token rows sorted by expert.
+
+The N * k (token, expert) assignments are sorted by expert; a grouped matrix product then
+multiplies each expert's contiguous rows by that expert's weights (gate/up, then down), so shapes
+stay static (N * k rows, group sizes from a bincount) and no expert sees tokens not routed to it.
+The rows go back to their tokens in one weighted segment sum.
+
+The grouped product is `jax.lax.ragged_dot` on accelerators. On CPU, JAX lowers ragged_dot to
+one masked dense product per group (every expert on every row); there the rows go in tiles
+instead: each expert's rows cut into tiles of a static size (at most one partly filled tile per
+expert), each tile multiplied by its expert's weights, the rows kept in tiles from the gather of
+the tokens to the weighted sum.
+
+Expert weights are stacked: gate_proj, up_proj [E, hidden, width], down_proj [E, width, hidden].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+    """Router logits [N, E] -> (weights [N, k] float32, experts [N, k] int32): the softmax (in
+    float32) over all experts, its top k, optionally renormalised to sum to 1."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def grouped_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
+                down_proj: jax.Array, *, tiled: bool | None = None) -> jax.Array:
+    """x [N, hidden], weights / experts [N, k] -> sum over k of weight * expert's SwiGLU MLP(x): [N, hidden].
+    tiled: the grouped products as tiles (default: on CPU) or as jax.lax.ragged_dot."""
+    N, k = experts.shape
+    flat = experts.reshape(-1)  # assignment a = token * k + slot
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)
+    tokens, row_weights = order // k, weights.reshape(-1)[order]  # per row: [N * k]
+    if tiled is None:
+        tiled = jax.default_backend() == "cpu"
+    if tiled:
+        group, slots, valid = _tiles(sizes, N * k, _tile_rows(N * k, gate_proj.shape[0]))
+        tokens = jnp.where(valid, tokens[slots], N)  # per row: [tiles, tile]; N: no row (dropped)
+        row_weights = jnp.where(valid, row_weights[slots], 0.0)
+
+        def matmul(h: jax.Array, w: jax.Array) -> jax.Array:
+            return jnp.einsum("tmk,tkn->tmn", h, w[group])
+    else:
+        def matmul(h: jax.Array, w: jax.Array) -> jax.Array:
+            return jax.lax.ragged_dot(h, w, sizes)
+    rows = x.at[tokens].get(mode="fill", fill_value=0)  # rows: [..., hidden]
+    h = jax.nn.silu(matmul(rows, gate_proj)) * matmul(rows, up_proj)
+    out = matmul(h, down_proj).astype(jnp.float32) * row_weights[..., None]
+    return jax.ops.segment_sum(out.reshape(-1, x.shape[1]), tokens.reshape(-1), num_segments=N).astype(x.dtype)
+
+
+def _tile_rows(rows: int, groups: int) -> int:
+    """Rows per tile: about a group's share of the rows, a power of two in [8, 128]."""
+    return min(128, max(8, 1 << max(0, (rows // groups).bit_length() - 1)))
+
+
+def _tiles(sizes: jax.Array, rows: int, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`rows` rows in groups of `sizes` (in order) cut into tiles of `tile` rows, no tile across two
+    groups -> (group [tiles], row [tiles, tile], valid [tiles, tile]); a static number of tiles,
+    the most any grouping needs (the unused ones and rows past a group's end are not valid)."""
+    count = -(-rows // tile) + sizes.shape[0] - 1
+    ends = jnp.cumsum(sizes)
+    per_group = -(-sizes // tile)
+    tile_ends = jnp.cumsum(per_group)
+    t = jnp.arange(count)
+    group = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"), sizes.shape[0] - 1)
+    first = ends[group] - sizes[group] + (t - tile_ends[group] + per_group[group]) * tile
+    row = first[:, None] + jnp.arange(tile)
+    valid = (row < ends[group][:, None]) & (t < tile_ends[-1])[:, None]
+    return group, jnp.minimum(row, rows - 1), valid
+
+
+def grouped_mlp_reference(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
+                          up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+    """grouped_mlp computed densely: every expert on every token, then weighted by the routing (tests)."""
+    E = gate_proj.shape[0]
+    h = jax.nn.silu(jnp.einsum("nh,ehi->eni", x, gate_proj)) * jnp.einsum("nh,ehi->eni", x, up_proj)
+    every = jnp.einsum("eni,eih->enh", h, down_proj).astype(jnp.float32)  # every: [E, N, hidden]
+    dense = (jax.nn.one_hot(experts, E, dtype=jnp.float32) * weights[..., None]).sum(axis=1)  # [N, E]
+    return jnp.einsum("enh,ne->nh", every, dense).astype(x.dtype)
