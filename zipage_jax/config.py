@@ -89,6 +89,11 @@ class EngineConfig:
                                                   "scored (off: every sequence may hold one)")
     max_compress_seqs: int = option(8, doc="sequences compacted in one step")
     tensor_parallel_size: int = option(1, doc="devices the model's heads are sharded over")
+    enable_expert_parallel: bool = option(False, doc="split a mixture of experts over the tensor_parallel_size "
+                                                     "devices by expert (each holds num_experts / "
+                                                     "tensor_parallel_size whole experts; router and attention as "
+                                                     "under tensor parallelism) instead of splitting every "
+                                                     "expert's width; no effect on a dense model or one device")
     async_scheduling: bool = option(True, doc="schedule and dispatch step N+1 before step N's tokens reach the host")
     prefill_row_size: int = option(32, doc="tokens per row of a prefill batch (a chunk spans several rows; a power "
                                            "of two)")
@@ -141,6 +146,8 @@ class EngineConfig:
             raise ValueError(f"prefill_row_size must be a power of two >= 1, got {rows!r}")
         _positive("max_compress_seqs", self.max_compress_seqs)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be true or false, got {self.enable_expert_parallel!r}")
 
     @classmethod
     def from_options(cls, **options) -> "EngineConfig":

@@ -1,7 +1,7 @@
 """Tensor-parallel checks in a Python of their own, with 4 host devices (run by test_tensor_parallel.py).
 
     python tests/engine/tp_worker.py MODEL TP [--max-tokens 100] [--kv-budget 32] [--num-prompts 4] [--backend B]
-        [--kv-cache-dtype auto|int8|fp8|int4]
+        [--kv-cache-dtype auto|int8|fp8|int4] [--enable-expert-parallel]
 
 Greedy tokens with TP and with one device, full KV and compressed (a per-request kv_budget),
 then what the sharded engine looks like: parameter and KV shardings, the collectives in the
@@ -96,13 +96,15 @@ def main() -> None:
     parser.add_argument("--kv-budget", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--kv-cache-dtype", default="auto", help="the pools of both engines: auto, int8, fp8 or int4")
+    parser.add_argument("--enable-expert-parallel", action="store_true", help="the TP engine splits experts whole")
     parser.add_argument("--backend", default="xla", help="the TP engine's attention backend (pallas-interpret: "
                         "the Pallas kernels under shard_map, interpreted)")
     args = parser.parse_args()
     report: dict = {"devices": len(jax.devices())}
     tokens = {}
     for size in (1, args.tp):
-        llm = LLM(args.model, tensor_parallel_size=size, kv_cache_dtype=args.kv_cache_dtype, **OPTIONS)
+        llm = LLM(args.model, tensor_parallel_size=size, kv_cache_dtype=args.kv_cache_dtype,
+                  enable_expert_parallel=args.enable_expert_parallel, **OPTIONS)
         runner = llm.engine.core.runner
         if size > 1:
             use_backend(runner, args.backend)

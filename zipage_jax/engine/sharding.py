@@ -6,6 +6,8 @@ Megatron-style layout, expressed as NamedShardings so XLA's SPMD partitioner doe
   o_proj, down_proj          kernel [in, E] split on in; their outputs are the only all-reduces
   experts' gate/up_proj      [experts, E, width] split on width, down_proj [experts, width, E]
                              split on width (each expert's MLP split like the dense one); router replicated
+                             (enable_expert_parallel: all three split on experts instead, each device
+                             holding whole experts, run under shard_map by layers/moe.py)
   embeddings, norms, biases of o/down                   replicated
   KV pool k, v [NB, BS, Hkv, D] (int4: D / 2 bytes)      split on Hkv
   score cache, quantized pools' scales [NB, BS, Hkv]     split on Hkv
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -59,10 +62,12 @@ class TensorParallel:
 
     mesh: Mesh
     kv_repeats: int = 1  # copies of each of the checkpoint's kv heads (> 1 when it has fewer than `size`)
+    expert_parallel: bool = False  # experts split by expert, not by width
 
     def param_shardings(self, params):
         """A NamedSharding per parameter of an nnx.State, chosen by module name."""
-        return jax.tree_util.tree_map_with_path(lambda path, _: NamedSharding(self.mesh, param_spec(path)), params)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: NamedSharding(self.mesh, param_spec(path, self.expert_parallel)), params)
 
     def place_params(self, params):
         return _place(params, self.param_shardings(params))
@@ -143,12 +148,14 @@ class TensorParallel:
 
         return run
 
-def param_spec(path: tuple) -> P:
+def param_spec(path: tuple, expert_parallel: bool = False) -> P:
     """PartitionSpec of the parameter at an nnx.State path (..., module, "kernel" | "bias")."""
     names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
     names = [n for n in names if n != "value"]
     module, leaf = names[-2], names[-1]
     if module == "experts":  # stacked expert kernels [experts, in, out]
+        if expert_parallel:
+            return P(TP, None, None)
         return P(None, TP, None) if leaf in _ROW_PARALLEL else P(None, None, TP)
     if module in _COLUMN_PARALLEL:
         return P(None, TP) if leaf == "kernel" else P(TP)
@@ -157,13 +164,28 @@ def param_spec(path: tuple) -> P:
     return P()
 
 
-def shard_model(loaded: LoadedModel, size: int) -> tuple[LoadedModel, TensorParallel | None]:
-    """The model as the runner shards it (kv heads repeated if need be) and the mesh; (loaded, None) for size 1."""
-    ready = shard_ready(loaded, size)
+def shard_model(loaded: LoadedModel, size: int, expert_parallel: bool = False
+                ) -> tuple[LoadedModel, TensorParallel | None]:
+    """The model as the runner shards it (kv heads repeated if need be) and the mesh; (loaded, None) for size 1.
+    expert_parallel: a mixture of experts' experts split by expert (no effect on a dense model)."""
+    if expert_parallel and not loaded.config.num_experts:
+        logger.info("enable_expert_parallel has no effect: the model has no experts")
+    expert_parallel = expert_parallel and bool(loaded.config.num_experts)
+    ready = shard_ready(loaded, size, expert_parallel)
     tp = tensor_parallel(size)
     if tp is None:
         return ready, None
-    return ready, dataclasses.replace(tp, kv_repeats=ready.config.num_kv_heads // loaded.config.num_kv_heads)
+    tp = dataclasses.replace(tp, kv_repeats=ready.config.num_kv_heads // loaded.config.num_kv_heads,
+                             expert_parallel=expert_parallel)
+    return (with_expert_mesh(ready, tp.mesh) if expert_parallel else ready), tp
+
+
+def with_expert_mesh(loaded: LoadedModel, mesh: Mesh) -> LoadedModel:
+    """A copy of the model (the same arrays) whose expert layers run split by expert over `mesh`."""
+    model = nnx.merge(*nnx.split(loaded.model))
+    for layer in model.layers:
+        layer.mlp.experts.mesh = mesh
+    return dataclasses.replace(loaded, model=model)
 
 
 def tensor_parallel(size: int) -> TensorParallel | None:
@@ -182,26 +204,31 @@ def tensor_parallel(size: int) -> TensorParallel | None:
     return TensorParallel(Mesh(np.array(devices[:size]), (TP,)))
 
 
-def check_divisible(cfg: ModelConfig, size: int) -> int:
-    """ValueError unless the model splits over `size` shards; returns how often each kv head is repeated."""
+def check_divisible(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> int:
+    """ValueError unless the model splits over `size` shards; returns how often each kv head is repeated.
+    expert_parallel: the experts are split whole (their number must divide, not their width)."""
     if cfg.num_heads % size:
         raise ValueError(f"tensor_parallel_size {size} must divide the number of attention heads "
                          f"({cfg.num_heads}); try one of {_divisors(cfg.num_heads)}")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         raise ValueError(f"tensor_parallel_size {size} and the {cfg.num_kv_heads} kv heads must divide one another "
                          f"(kv heads are split when there are more, repeated when there are fewer)")
-    if cfg.mlp_width % size:
+    if expert_parallel and cfg.num_experts:
+        if cfg.num_experts % size:
+            raise ValueError(f"enable_expert_parallel: tensor_parallel_size {size} must divide the number of "
+                             f"experts ({cfg.num_experts}); try one of {_divisors(cfg.num_experts)}")
+    elif cfg.mlp_width % size:
         raise ValueError(f"tensor_parallel_size {size} must divide the MLP intermediate size "
                          f"({cfg.mlp_width})")
     return max(1, size // cfg.num_kv_heads)
 
 
-def shard_ready(loaded: LoadedModel, size: int) -> LoadedModel:
+def shard_ready(loaded: LoadedModel, size: int, expert_parallel: bool = False) -> LoadedModel:
     """The model to shard over `size` devices: itself, or a copy with each kv head repeated.
 
     Repeating kv head h as heads h*r .. h*r + r-1 keeps every query head with its own kv
     head (query head i used kv head i // G; it now uses i // (G/r), a copy of it)."""
-    repeats = check_divisible(loaded.config, size)
+    repeats = check_divisible(loaded.config, size, expert_parallel)
     if repeats == 1:
         return loaded
     cfg = dataclasses.replace(loaded.config, num_kv_heads=loaded.config.num_kv_heads * repeats)

@@ -13,12 +13,21 @@ expert), each tile multiplied by its expert's weights, the rows kept in tiles fr
 the tokens to the weighted sum.
 
 Expert weights are stacked: gate_proj, up_proj [E, hidden, width], down_proj [E, width, hidden].
+
+Under expert parallelism (`expert_parallel_mlp`) the E axis is split over a device mesh: a
+shard_map gives each device its own experts' rows (another device's experts' rows are dropped
+there, the shapes staying static) and one float32 all-reduce adds the devices' outputs. With
+top-2 routing that sum is exact: each token gets at most two non-zero terms. In tiles, a device
+still runs as many tiles as the worst routing needs (all rows to its experts): on CPU expert
+parallelism splits the experts' memory, not their work.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 
 def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -34,28 +43,55 @@ def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.
 def grouped_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
                 down_proj: jax.Array, *, tiled: bool | None = None) -> jax.Array:
     """x [N, hidden], weights / experts [N, k] -> sum over k of weight * expert's SwiGLU MLP(x): [N, hidden].
+    An expert id >= E adds nothing (expert parallelism: an expert held by another device).
     tiled: the grouped products as tiles (default: on CPU) or as jax.lax.ragged_dot."""
+    tile = _tile_rows(experts.size, gate_proj.shape[0])
+    return _grouped_sum(x, weights, experts, gate_proj, up_proj, down_proj, tiled, tile).astype(x.dtype)
+
+
+def expert_parallel_mlp(mesh: Mesh, x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
+                        up_proj: jax.Array, down_proj: jax.Array, *, tiled: bool | None = None) -> jax.Array:
+    """grouped_mlp with the experts' E axis split over all of `mesh`'s axes (x, weights and
+    experts replicated): device d runs experts [d * E/n, (d + 1) * E/n); one all-reduce."""
+    axes = mesh.axis_names
+    tile = _tile_rows(experts.size, gate_proj.shape[0])  # one device's tiles: the same products per expert
+
+    def local(x, weights, experts, gate_proj, up_proj, down_proj):
+        held = gate_proj.shape[0]
+        ids = experts - jax.lax.axis_index(axes) * held
+        ids = jnp.where((ids >= 0) & (ids < held), ids, held)  # held: another device's expert
+        return jax.lax.psum(_grouped_sum(x, weights, ids, gate_proj, up_proj, down_proj, tiled, tile), axes)
+
+    split = jax.shard_map(local, mesh=mesh, in_specs=(P(),) * 3 + (P(axes),) * 3, out_specs=P())
+    return split(x, weights, experts, gate_proj, up_proj, down_proj).astype(x.dtype)
+
+
+def _grouped_sum(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
+                 down_proj: jax.Array, tiled: bool | None, tile: int) -> jax.Array:
+    """grouped_mlp in float32, before the cast, in tiles of `tile` rows."""
     N, k = experts.shape
     flat = experts.reshape(-1)  # assignment a = token * k + slot
-    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
-    sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, ids >= E last
+    sizes = jnp.bincount(flat, length=gate_proj.shape[0]).astype(jnp.int32)  # ids >= E not counted
     tokens, row_weights = order // k, weights.reshape(-1)[order]  # per row: [N * k]
     if tiled is None:
         tiled = jax.default_backend() == "cpu"
     if tiled:
-        group, slots, valid = _tiles(sizes, N * k, _tile_rows(N * k, gate_proj.shape[0]))
+        group, slots, valid = _tiles(sizes, N * k, tile)
         tokens = jnp.where(valid, tokens[slots], N)  # per row: [tiles, tile]; N: no row (dropped)
         row_weights = jnp.where(valid, row_weights[slots], 0.0)
 
         def matmul(h: jax.Array, w: jax.Array) -> jax.Array:
             return jnp.einsum("tmk,tkn->tmn", h, w[group])
     else:
+        tokens = jnp.where(jnp.arange(N * k) < sizes.sum(), tokens, N)  # rows past every group: dropped
+
         def matmul(h: jax.Array, w: jax.Array) -> jax.Array:
             return jax.lax.ragged_dot(h, w, sizes)
     rows = x.at[tokens].get(mode="fill", fill_value=0)  # rows: [..., hidden]
     h = jax.nn.silu(matmul(rows, gate_proj)) * matmul(rows, up_proj)
     out = matmul(h, down_proj).astype(jnp.float32) * row_weights[..., None]
-    return jax.ops.segment_sum(out.reshape(-1, x.shape[1]), tokens.reshape(-1), num_segments=N).astype(x.dtype)
+    return jax.ops.segment_sum(out.reshape(-1, x.shape[1]), tokens.reshape(-1), num_segments=N)
 
 
 def _tile_rows(rows: int, groups: int) -> int:

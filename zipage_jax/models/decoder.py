@@ -34,8 +34,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
-from zipage_jax.layers.moe import grouped_mlp, route
+from zipage_jax.layers.moe import expert_parallel_mlp, grouped_mlp, route
 from zipage_jax.layers.norms import RMSNorm
 from zipage_jax.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin
 from zipage_jax.models.config import ModelConfig
@@ -116,6 +117,7 @@ class Experts(nnx.Module):
         self.gate_proj = _param(rngs, (E, H, I), dtype)
         self.up_proj = _param(rngs, (E, H, I), dtype)
         self.down_proj = _param(rngs, (E, I, H), dtype)
+        self.mesh: Mesh | None = None  # expert parallelism: the devices the E axis is split over (engine/sharding.py)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -128,7 +130,9 @@ class SparseMoeBlock(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])  # flat: [B * T, E]
         weights, experts = route(self.gate(flat), self.top_k, self.renormalize)
         e = self.experts
-        return grouped_mlp(flat, weights, experts, e.gate_proj[...], e.up_proj[...], e.down_proj[...]).reshape(x.shape)
+        args = (flat, weights, experts, e.gate_proj[...], e.up_proj[...], e.down_proj[...])
+        out = grouped_mlp(*args) if e.mesh is None else expert_parallel_mlp(e.mesh, *args)
+        return out.reshape(x.shape)
 
 
 class DecoderLayer(nnx.Module):

@@ -82,7 +82,7 @@ class ModelRunner:
         """running: the engine's running batch, whose decode rows the runner gathers (None: a
         runner that only replays another process's calls)."""
         self.config, self.pool = config, pool
-        loaded, self.tp = shard_model(loaded, config.tensor_parallel_size)
+        loaded, self.tp = shard_model(loaded, config.tensor_parallel_size, config.enable_expert_parallel)
         self.model_config = mc = loaded.config
         model = loaded.model
         if self.tp is not None:
