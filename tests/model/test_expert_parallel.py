@@ -32,6 +32,7 @@ def ep_cache(model_cache_dir):
     mp.undo()
 
 
+@pytest.mark.slow
 def test_expert_parallel_mlp_equals_one_device_with_one_all_reduce(ep_cache):
     from engine.test_tensor_parallel import _env
 

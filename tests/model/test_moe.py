@@ -127,6 +127,7 @@ def test_logits_match_transformers(arch, overrides, tiny_model_factory, moe_cach
     assert loaded.from_cache and loaded.config.norm_topk_prob == overrides.get("norm_topk_prob", arch == "mixtral")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_engine_greedy_matches_transformers_and_compresses(arch, tiny_model_factory, moe_cache):
     path = str(tiny_model_factory(arch))
