@@ -296,7 +296,7 @@ def model_dir(tiny_model_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("timeout, flags", [(120, []), (1, []), (120, ["--data-parallel-size", "2"])],
+@pytest.mark.parametrize("timeout, flags", [(120, []), (0, []), (120, ["--data-parallel-size", "2"])],
                          ids=["drained", "aborted", "data-parallel"])
 def test_serve_drains_on_sigterm_exits_0_and_leaves_no_process(model_dir, model_cache_dir, timeout, flags):
     """The engine core process, or the data-parallel replicas and the local Ray, stop with the server."""
@@ -312,7 +312,7 @@ def test_serve_drains_on_sigterm_exits_0_and_leaves_no_process(model_dir, model_
         outcomes = [outcome(events[i]) for i in range(STREAMS)]
         if timeout == 120:
             assert outcomes == ["finished"] * STREAMS
-        else:  # the engine runs 8 at a time: the last 8 cannot have finished 200 tokens within 1 s of starting
+        else:  # aborted at the first tick after the signal: the 8 queued behind the running 8 cannot have finished
             assert "aborted" in outcomes, outcomes
     finally:
         srv.stop()
