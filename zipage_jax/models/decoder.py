@@ -127,7 +127,7 @@ class SparseMoeBlock(nnx.Module):
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        flat = x.reshape(-1, x.shape[-1])  # flat: [B * T, E]
+        flat = x.reshape(-1, x.shape[-1])  # flat: [B * T, hidden]
         weights, experts = route(self.gate(flat), self.top_k, self.renormalize)
         e = self.experts
         args = (flat, weights, experts, e.gate_proj[...], e.up_proj[...], e.down_proj[...])
