@@ -304,7 +304,8 @@ def test_serve_drains_on_sigterm_exits_0_and_leaves_no_process(model_dir, model_
     try:
         threads, events = start_streams(srv.url, STREAMS, max_tokens=200)
         tree = _signalled(srv)
-        assert_refused_while_draining(srv.url)
+        if timeout:  # with no timeout the server may be gone before a request reaches it
+            assert_refused_while_draining(srv.url)
         assert srv.proc.wait(timeout + EXIT_GRACE_S) == 0, srv.proc.stderr.read()[-3000:]
         _assert_all_gone(tree)
         for thread in threads:
