@@ -13,7 +13,8 @@ or int4, packed two values a byte:
   k_scales, v_scales: [num_blocks, BS, Hkv, D / 32] float16, one per group of 32 elements.
 
 Slots at or past context_lens may hold anything (NaN included, scales too): they are masked
-out of the logits and zeroed in V.
+out of the logits and zeroed in V. A sliding window (static `window` > 0) hides the slots below
+context_lens - window too, and each program starts its loop at the first step holding a visible slot.
 
 The kernel runs on a grid (B, Hkv, k_splits). Each program owns one kv head of one row and
 one contiguous share of the row's pages, loops over them block_k tokens at a time with a
@@ -66,9 +67,10 @@ def _dot(a, b, contract):  # float32 accumulation; contract: (a's axis, b's axis
                            precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _split_loop(block_tables_ref, lengths_ref, page_size: int, pages_per_step: int, body, carry):
+def _split_loop(block_tables_ref, lengths_ref, page_size: int, pages_per_step: int, window: int, body, carry):
     """Runs carry = body(pages [pages_per_step], valid [block_k], carry) over this program's share
-    of the row's pages, block_k = pages_per_step * page_size tokens a step."""
+    of the row's pages, block_k = pages_per_step * page_size tokens a step; window > 0: only the
+    steps holding slots length - window .. length - 1."""
     pages_per_split = block_tables_ref.shape[0]
     block_k = pages_per_step * page_size
     split_start = pl.program_id(2) * pages_per_split * page_size
@@ -76,11 +78,17 @@ def _split_loop(block_tables_ref, lengths_ref, page_size: int, pages_per_step: i
 
     def step_fn(step, carry):
         pages = block_tables_ref[pl.ds(step * pages_per_step, pages_per_step)]
-        valid = split_start + step * block_k + jnp.arange(block_k) < length  # [block_k]
+        slot = split_start + step * block_k + jnp.arange(block_k)
+        valid = slot < length  # [block_k]
+        if window:
+            valid &= slot >= length - window
         return body(pages, valid, carry)
 
     split_len = jnp.clip(length - split_start, 0, pages_per_split * page_size)
-    return lax.fori_loop(0, pl.cdiv(split_len, block_k), step_fn, carry)
+    first_step = 0
+    if window:
+        first_step = jnp.maximum(length - window - split_start, 0) // block_k
+    return lax.fori_loop(first_step, pl.cdiv(split_len, block_k), step_fn, carry)
 
 
 def _online_softmax(logits, valid, m_prev, l_prev):
@@ -107,6 +115,7 @@ def paged_decode_kernel(
     *refs,  # quantized: k_scales_ref, v_scales_ref, then the outputs; else the outputs
     pages_per_step: int,
     scale_log2: float,
+    window: int,
     quantized: bool,
 ):
     # k_scales_ref, v_scales_ref: [num_pages, page_size] float32 (one kv head)
@@ -138,7 +147,7 @@ def paged_decode_kernel(
         return o_next, m_next, l_next
 
     m, l = _stats_init(block_h)
-    o, m, l = _split_loop(block_tables_ref, lengths_ref, page_size, pages_per_step, body,
+    o, m, l = _split_loop(block_tables_ref, lengths_ref, page_size, pages_per_step, window, body,
                           (jnp.zeros((block_h, head_dim), jnp.float32), m, l))
     o_ref[...] = o
     l_ref[...] = l
@@ -161,6 +170,7 @@ def paged_decode_int4_kernel(
     *,
     pages_per_step: int,
     scale_log2: float,
+    window: int,
 ):
     block_h, group_size = q_refs[0].shape
     page_size = k_refs[0].shape[1]
@@ -189,7 +199,7 @@ def paged_decode_int4_kernel(
 
     m, l = _stats_init(block_h)
     o = tuple(jnp.zeros((block_h, group_size), jnp.float32) for _ in q_refs)
-    o, m, l = _split_loop(block_tables_ref, lengths_ref, page_size, pages_per_step, body, (o, m, l))
+    o, m, l = _split_loop(block_tables_ref, lengths_ref, page_size, pages_per_step, window, body, (o, m, l))
     for o_ref, o_group in zip(o_refs, o):
         o_ref[...] = o_group
     l_ref[...] = l
@@ -202,7 +212,7 @@ def _num_programs_target() -> int:
     return getattr(jax.devices()[0], "core_count", None) or _DEFAULT_PROGRAMS
 
 
-def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, *, scale, block_h,
+def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, *, scale, window, block_h,
                   block_k, k_splits, num_warps, num_stages, interpret):
     # scales: () or (k_scales, v_scales), each [num_blocks, BS, Hkv] float32 (int4: [.., Hkv, D / 32] float16)
     batch, q_heads, head_dim = q.shape
@@ -237,7 +247,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, *, scal
     stats_spec = pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, s, h, 0))
     stats_shape = (batch, k_splits, num_kv_heads, block_h)
     stats = jax.ShapeDtypeStruct(stats_shape, jnp.float32)
-    options = {"pages_per_step": pages_per_step, "scale_log2": scale * _LOG2E}
+    options = {"pages_per_step": pages_per_step, "scale_log2": scale * _LOG2E, "window": window}
     if is_int4(k_pool.dtype):
         kernel = functools.partial(paged_decode_int4_kernel, **options)
         (q_in, k_in, v_in, *scales_in), (o_spec, o_shape) = _int4_operands(q_tile, k_pages, v_pages, scale_pages,
@@ -303,12 +313,12 @@ def _int4_operands(q_tile, k_pages, v_pages, scale_pages, stats_shape):
     return (q_in, k_in, v_in, k_scales_in, v_scales_in), ((o_spec,) * groups, (o_shape,) * groups)
 
 
-@functools.partial(jax.jit, static_argnames=["scale", "block_h", "block_k", "k_splits",
+@functools.partial(jax.jit, static_argnames=["scale", "window", "block_h", "block_k", "k_splits",
                                              "num_warps", "num_stages", "interpret"])
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            block_tables: jax.Array, context_lens: jax.Array, *,
                            k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
-                           scale: float | None = None, interpret: bool = False,
+                           scale: float | None = None, window: int = 0, interpret: bool = False,
                            block_h: int = 16, block_k: int = 128, k_splits: int | None = None,
                            num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """Decode attention of one query token per sequence over its pages.
@@ -324,6 +334,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         per-kv-head scales (value = pool * scale); int4: [num_blocks, BS, Hkv, D / 32] float16,
         one per group of 32 elements; both or neither.
       scale: softmax scale, default 1/sqrt(D).
+      window: sliding window in slots (0: none): a row of length n sees slots n - window .. n - 1.
       interpret: run the kernel in the Pallas interpreter (needed on CPU).
       block_h: query rows per tile (power of two >= 16; raised to cover the group G).
       block_k: tokens per inner step (power of two >= 16).
@@ -351,22 +362,25 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
             raise ValueError(f"{name} must be a power of two >= 16, got {value}")
     if k_splits is not None and k_splits < 1:
         raise ValueError(f"k_splits must be >= 1, got {k_splits}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: no window), got {window}")
     scale = head_dim**-0.5 if scale is None else scale
     block_h = max(block_h, next_power_of_two(q_heads // k_pool.shape[2]))
     scales = (k_scales, v_scales) if quantized else ()
-    return _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, scale=scale,
+    return _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, scale=scale, window=window,
                          block_h=block_h, block_k=block_k, k_splits=k_splits,
                          num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=["scale"])
+@functools.partial(jax.jit, static_argnames=["scale", "window"])
 def paged_decode_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                                      block_tables: jax.Array, context_lens: jax.Array, *,
-                                     scale: float | None = None) -> jax.Array:
+                                     scale: float | None = None, window: int = 0) -> jax.Array:
     """Plain-XLA decode attention, same contract as `paged_decode_attention`."""
     if q.ndim != 3 or context_lens.ndim != 1:
         raise ValueError(f"q must be [B, Hq, D] and context_lens [B], "
                          f"got {q.shape} and {context_lens.shape}")
-    out, _ = paged_attention(q[:, None], KVPool(k_pool, v_pool), block_tables, context_lens[:, None], scale=scale)
+    out, _ = paged_attention(q[:, None], KVPool(k_pool, v_pool), block_tables, context_lens[:, None], scale=scale,
+                             window=window)
     return out[:, 0]
 

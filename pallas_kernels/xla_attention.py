@@ -7,12 +7,16 @@ Layouts (one layer):
   block_tables: [B, W] int32             pages of each row, padded with the dummy page 0
   kv_lens:      [B, C] int32             pool slots token c may see (its own slot index + 1:
                                          causal); 0 for padding -> zeros
+  window:       static int               sliding window: token c sees only slots
+                                         kv_len - window <= s < kv_len (0: all of them)
   out:          [B, C, Hq, D] in q.dtype
 
 The keys are visited `tokens_per_step` at a time in a `fori_loop` whose trip count is the
 longest row's length, so the table width W costs nothing but the table itself: one compiled
 program serves every context length. Slots at or past a row's largest kv_len may hold anything
-(NaN included): they are masked out of the logits and zeroed in V.
+(NaN included): they are masked out of the logits and zeroed in V; with a window, so may the
+slots below every token's window, and the loop starts at the first step that holds a slot some
+token of the batch sees.
 
 `new_kv` writes this step's K/V into the pools *inside* the loop body, before the read. The
 writes are idempotent (the same rows to the same slots every iteration), and they keep the
@@ -109,7 +113,7 @@ def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype) 
     return x.reshape(pages.shape[0], -1, *x.shape[2:])
 
 
-def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, new_kv: NewKV | None):
+def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, window: int, new_kv: NewKV | None):
     # q: [B, C, Hkv, G, D]; kv_lens: [B, C]
     batch, chunk, num_kv_heads, group, head_dim = q.shape
     page = pools.k.shape[1]
@@ -118,6 +122,10 @@ def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, new_kv:
     block_tables = jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % pages_per_step)))
     row_lens = kv_lens.max(axis=1)  # [B]: V rows at or past this may be garbage
     num_steps = jnp.maximum(-(-row_lens.max() // step_tokens), 1)  # >= 1: the writes must happen
+    first_step = 0
+    if window:  # V rows below row_lows may be garbage too; steps wholly below every row's are skipped
+        row_lows = jnp.where(kv_lens > 0, kv_lens - window, jnp.iinfo(jnp.int32).max).min(axis=1)  # [B]
+        first_step = jnp.clip(row_lows.min() // step_tokens, 0, num_steps - 1)
     kv_dtype = q.dtype
     # head-major: every product is a matmul batched over (row, kv head), which XLA's CPU backend
     # runs several times faster than the same contraction with the heads inside
@@ -127,6 +135,10 @@ def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, new_kv:
         qh = kv_quant.rotate_int4(qh).astype(q.dtype)
     lens = jnp.repeat(kv_lens, group, axis=1)[:, None, :, None]  # [B, 1, C*G, 1]
 
+    def visible(pos):  # [T] -> [B, 1, C*G, T]
+        seen = pos < lens
+        return seen & (pos >= lens - window) if window else seen
+
     def step_fn(step, carry):
         pools, m, l, acc = carry  # m, l: [B, Hkv, C*G]; acc: [B, Hkv, C*G, D]
         if new_kv is not None:
@@ -135,9 +147,12 @@ def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, new_kv:
         k = _gather(pools.k, pools.k_scales, pages, kv_dtype).transpose(0, 2, 1, 3)  # [B, Hkv, T, D]
         v = _gather(pools.v, pools.v_scales, pages, kv_dtype).transpose(0, 2, 1, 3)
         pos = step * step_tokens + jnp.arange(step_tokens)  # [T]
-        v = jnp.where((pos[None, :] < row_lens[:, None])[:, None, :, None], v, 0)
+        v_rows = pos[None, :] < row_lens[:, None]  # [B, T]
+        if window:
+            v_rows &= pos[None, :] >= row_lows[:, None]
+        v = jnp.where(v_rows[:, None, :, None], v, 0)
         s = jnp.einsum("bhqd,bhtd->bhqt", qh, k, preferred_element_type=jnp.float32) * scale
-        s = jnp.where(pos < lens, s, -jnp.inf)  # [B, Hkv, C*G, T]
+        s = jnp.where(visible(pos), s, -jnp.inf)  # [B, Hkv, C*G, T]
         m_next = jnp.maximum(m, s.max(axis=-1))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
         p = jnp.exp(s - m_safe[..., None])
@@ -148,17 +163,17 @@ def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, new_kv:
     stats_shape = (batch, num_kv_heads, chunk * group)
     carry = (pools, jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
              jnp.zeros((*stats_shape, head_dim), jnp.float32))
-    pools, _, l, acc = lax.fori_loop(0, num_steps, step_fn, carry)
+    pools, _, l, acc = lax.fori_loop(first_step, num_steps, step_fn, carry)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, Hkv, C*G, D]
     if rotated:
         out = kv_quant.rotate_int4(out)
     return out.reshape(batch, num_kv_heads, chunk, group, head_dim).transpose(0, 2, 1, 3, 4), pools
 
 
-@functools.partial(jax.jit, static_argnames=["scale", "step_tokens"])
+@functools.partial(jax.jit, static_argnames=["scale", "step_tokens", "window"])
 def paged_attention(q: jax.Array, pools: KVPool, block_tables: jax.Array, kv_lens: jax.Array,
                     new_kv: NewKV | None = None, *, scale: float | None = None,
-                    step_tokens: int | None = None) -> tuple[jax.Array, KVPool]:
+                    step_tokens: int | None = None, window: int = 0) -> tuple[jax.Array, KVPool]:
     """Attention of C tokens per row over their pages, writing `new_kv` first if given.
 
     Args:
@@ -169,6 +184,7 @@ def paged_attention(q: jax.Array, pools: KVPool, block_tables: jax.Array, kv_len
       new_kv: this step's K/V and their slots, written into the pools before any read.
       scale: softmax scale, default 1/sqrt(D).
       step_tokens: keys per loop step (a multiple of P); default from `tokens_per_step`.
+      window: sliding window in slots (0: none): a token of kv_len n sees slots n - window .. n - 1.
 
     Returns:
       (out [B, C, Hq, D] in q.dtype, the pools after the write).
@@ -181,6 +197,8 @@ def paged_attention(q: jax.Array, pools: KVPool, block_tables: jax.Array, kv_len
     if kv_lens.shape != (batch, chunk) or kv_lens.dtype != jnp.int32:
         raise ValueError(f"kv_lens must be int32 [B, C]={batch, chunk}, "
                          f"got {kv_lens.dtype}{list(kv_lens.shape)}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: no window), got {window}")
     page = pools.k.shape[1]
     step_tokens = step_tokens or tokens_per_step(batch, chunk, q_heads, page)
     if step_tokens % page:
@@ -188,7 +206,7 @@ def paged_attention(q: jax.Array, pools: KVPool, block_tables: jax.Array, kv_len
     num_kv_heads = pools.k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     q_grouped = q.reshape(batch, chunk, num_kv_heads, q_heads // num_kv_heads, head_dim)
-    out, pools = _attend(q_grouped, pools, block_tables, kv_lens, scale, step_tokens, new_kv)
+    out, pools = _attend(q_grouped, pools, block_tables, kv_lens, scale, step_tokens, window, new_kv)
     return out.reshape(q.shape).astype(q.dtype), pools
 
 

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral checkpoints in transformers' format, built offline.
+"""Tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral / Gemma 3 checkpoints in transformers' format, built offline.
 
 The tokenizer is byte-level BPE over the 256 byte tokens plus ChatML specials and a fixed
 list of merges (" a".." z", common English pairs) filling the model's vocab_size, so every id decodes.
@@ -10,6 +10,7 @@ from pathlib import Path
 
 ARCHS = ("qwen3", "qwen2", "llama")
 MOE_ARCHS = ("qwen3_moe", "mixtral")  # mixtures of experts (not in ARCHS: the dense families' fixtures)
+GEMMA_ARCHS = ("gemma3",)  # sliding-window attention (not in ARCHS either)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -53,6 +54,12 @@ _ARCH_CONFIGS = {
     # 4 experts of width 48 (intermediate_size), top 2, always renormalised; tied
     "mixtral": dict(tie_word_embeddings=True, rope_theta=1_000_000.0, num_local_experts=4, num_experts_per_tok=2,
                     intermediate_size=48),
+    # Gemma 3 text: windows of 8 tokens in layers 0, 1 (full: 2), 5 layers (the pattern does not divide
+    # them); a softmax scale of 24**-0.5, not head_dim's; linear RoPE scaling on the full layers only;
+    # final logits soft-capped at 4
+    "gemma3": dict(head_dim=32, num_hidden_layers=5, sliding_window=8, sliding_window_pattern=3,
+                   query_pre_attn_scalar=24, final_logit_softcapping=4.0, tie_word_embeddings=True,
+                   rope_scaling=dict(rope_type="linear", factor=4.0)),
 }
 
 
@@ -89,9 +96,10 @@ def hf_config(arch: str, **overrides):
     import transformers
 
     if arch not in _ARCH_CONFIGS:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS + MOE_ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS + MOE_ARCHS + GEMMA_ARCHS}")
     cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
-           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig}
+           "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
+           "gemma3": transformers.Gemma3TextConfig}
     return cls[arch](**{**_COMMON, **_ARCH_CONFIGS[arch], **overrides})
 
 

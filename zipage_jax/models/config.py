@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from zipage_jax.layers.rotary import RopeScaling
 
-Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text"]
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": "llama",
@@ -15,6 +15,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 _MODEL_TYPES = {family: name for name, family in ARCHITECTURES.items()}
 
@@ -46,6 +47,13 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's MLP width
     norm_topk_prob: bool = False  # the top-k router weights renormalised to sum to 1
+    # sliding-window attention: per layer the window in tokens, 0 for a full-attention layer;
+    # empty: every layer attends to its whole context
+    layer_windows: tuple[int, ...] = ()
+    hidden_act: Literal["silu", "gelu_pytorch_tanh"] = "silu"  # the MLP's gate activation
+    sliding_rope_theta: float | None = None  # RoPE base of the sliding-window layers (None: rope_theta)
+    attention_scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -54,9 +62,22 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise ValueError(f"layer_windows must hold one window >= 0 per layer ({self.num_layers}), "
+                             f"got {self.layer_windows}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
                              f"got {self.num_experts_per_tok}")
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in tokens; 0 where it attends to its whole context."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's numerics: embeddings scaled by sqrt(hidden_size), RMSNorm weights as (1 + w),
+        the attention and MLP outputs normed too (four norms per layer)."""
+        return self.architecture == "gemma3_text"
 
     @property
     def mlp_width(self) -> int:
@@ -68,14 +89,15 @@ class ModelConfig:
         """From a transformers PretrainedConfig or its config.json dict (v4 or v5 RoPE fields)."""
         c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         architecture = _architecture(c)
-        if c.get("hidden_act", "silu") != "silu":
+        if architecture != "gemma3_text" and c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {c['hidden_act']!r}; only 'silu' is supported")
         if c.get("mlp_bias"):
             raise ValueError("unsupported mlp_bias=True")
         if c.get("use_sliding_window"):
             raise ValueError("unsupported use_sliding_window=True (sliding-window attention)")
         num_heads = c["num_attention_heads"]
-        rope_theta, rope_scaling = _rope(c)
+        gemma = _gemma3(c) if architecture == "gemma3_text" else {}
+        rope_theta, rope_scaling = _rope(gemma.pop("full_rope", c))
         attention_bias = bool(c.get("attention_bias", False))
         eos = c.get("eos_token_id")
         return cls(
@@ -94,10 +116,11 @@ class ModelConfig:
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             qkv_bias=architecture == "qwen2" or attention_bias,
             o_bias=architecture != "qwen2" and attention_bias,
-            qk_norm=architecture in ("qwen3", "qwen3_moe"),
+            qk_norm=architecture in ("qwen3", "qwen3_moe", "gemma3_text"),
             bos_token_id=c.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,)),
             **_experts(c, architecture),
+            **gemma,
         )
 
 
@@ -144,6 +167,47 @@ def _experts(c: dict, architecture: Architecture) -> dict[str, Any]:
                          "only an empty list is supported")
     return dict(num_experts=num_experts, num_experts_per_tok=c["num_experts_per_tok"],
                 moe_intermediate_size=c["moe_intermediate_size"], norm_topk_prob=bool(c.get("norm_topk_prob")))
+
+
+_GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma3(c: dict) -> dict[str, Any]:
+    """Gemma 3's fields (v4 or v5 config), plus "full_rope": the config _rope reads the full-attention
+    layers' RoPE from. Sliding layers attend to the `sliding_window` most recent tokens (their own
+    included) with RoPE base `rope_local_base_freq`, unscaled; the layer types come from
+    `layer_types` or, in older configs, every `sliding_window_pattern`-th layer (default 6) is full."""
+    if c.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention=True")
+    if c.get("attn_logit_softcapping") is not None:
+        # transformers' Gemma 3 attention never applies it: refused rather than guessed
+        raise ValueError(f"unsupported attn_logit_softcapping={c['attn_logit_softcapping']!r}")
+    act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"unsupported hidden_activation {act!r}; only 'gelu_pytorch_tanh' is supported")
+    layers = c["num_hidden_layers"]
+    pattern = c.get("sliding_window_pattern") or 6
+    types = c.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                     for i in range(layers)]
+    if len(types) != layers or not set(types) <= set(_GEMMA3_LAYER_TYPES):
+        raise ValueError(f"layer_types must name {layers} layers, each one of {_GEMMA3_LAYER_TYPES}, got {types}")
+    window = c.get("sliding_window")
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {window!r}")
+    params = c.get("rope_parameters") or {}
+    if "full_attention" in params:  # v5: one RoPE per layer type
+        full = {"rope_parameters": params["full_attention"]}
+        sliding = {"rope_parameters": params.get("sliding_attention") or {"rope_theta": 10_000.0}}
+    else:
+        full = {**c, "rope_theta": c.get("rope_theta") or 1_000_000.0}
+        sliding = {"rope_theta": c.get("rope_local_base_freq") or 10_000.0}
+    sliding_theta, sliding_scaling = _rope(sliding)
+    if sliding_scaling is not None:
+        raise ValueError(f"unsupported RoPE scaling of the sliding-window layers: {sliding_scaling}")
+    return dict(full_rope=full, layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
+                hidden_act=act, sliding_rope_theta=sliding_theta,
+                attention_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
+                final_logit_softcapping=c.get("final_logit_softcapping"))
 
 
 def _rope(c: dict) -> tuple[float, RopeScaling | None]:

@@ -1,5 +1,5 @@
-"""One Flax NNX decoder for Llama, Qwen2, Qwen3 and their mixtures of experts Qwen3-MoE and Mixtral
-(GQA, tied or untied embeddings).
+"""One Flax NNX decoder for Llama, Qwen2, Qwen3, their mixtures of experts Qwen3-MoE and Mixtral,
+and Gemma 3's text model (GQA, tied or untied embeddings).
 
 Module and parameter names mirror transformers' (`layers[i].self_attn.o_proj`, ...) so the
 checkpoint mapping in weights.py is mechanical; a Linear stores `kernel: [in, out]`. One is
@@ -11,9 +11,16 @@ layer's MLP by `mlp.gate` (the router) and `mlp.experts.{gate,up,down}_proj`, ev
 kernel stacked: [E, in, out] (layers/moe.py runs them).
 
 Attention is delegated: each layer calls
-    out, cache = attn_fn(layer_idx, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D], cache)
+    out, cache = attn_fn(layer_idx, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D], cache, **options)
 with q and k after q/k-norm and RoPE (at `positions`); out is [B, T, Hq, D] and the attn_fn
-applies the D**-0.5 softmax scale. The cache pytree passes through the decoder untouched.
+applies the softmax scale, D**-0.5 unless options holds `scale`. A sliding-window layer passes
+`window` (a query at slot p sees slots p - window < s <= p). Options hold only what the model
+sets, so a model without them calls attn_fn exactly as five arguments. The cache pytree passes
+through the decoder untouched.
+
+Gemma 3 (`cfg.gemma`): embeddings scaled by sqrt(hidden_size) in their dtype, RMSNorm weights as
+(1 + w), the attention output and the MLP (GeGLU, tanh GELU) between norms of their own, sliding
+layers with their own RoPE base, final logits soft-capped where the config says.
 
 To run it as a pure jitted function:
     fns, state = split(model)
@@ -24,10 +31,13 @@ Layers are unrolled in a Python loop: on CPU that runs faster than lax.scan over
 
 The engine runs it in stages (`stages`): embed, then groups of layers of one size (one program
 serves every group, so compile time does not grow with depth), then the final norm and LM head.
+A layer's window and RoPE are static per its index within its group, so the groups must repeat
+the model's layer pattern (`repeats_layer_pattern`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -64,11 +74,14 @@ class Linear(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    def __init__(self, vocab_size: int, dim: int, *, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+    def __init__(self, vocab_size: int, dim: int, *, dtype: jnp.dtype, rngs: nnx.Rngs | None,
+                 scale: float | None = None):
         self.weight = _param(rngs, (vocab_size, dim), dtype)  # [V, E]
+        self.scale = scale  # the lookup's multiplier, rounded to the weight's dtype (Gemma: sqrt(E))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids, axis=0)
+        x = jnp.take(self.weight[...], ids, axis=0)
+        return x if self.scale is None else x * jnp.asarray(self.scale, jnp.float32).astype(x.dtype)
 
     def attend(self, hidden: jax.Array) -> jax.Array:
         """hidden: [..., E] -> logits [..., V] float32."""
@@ -82,8 +95,8 @@ class Attention(nnx.Module):
         self.qkv_proj = Linear(E, (cfg.num_heads + 2 * cfg.num_kv_heads) * D, bias=cfg.qkv_bias, dtype=dtype,
                                rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * D, E, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, unit_offset=cfg.gemma) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, unit_offset=cfg.gemma) if cfg.qk_norm else None
 
     def __call__(
         self, layer_idx: int, x: jax.Array, cos: jax.Array, sin: jax.Array, attn_fn: AttnFn, cache: Any
@@ -106,9 +119,12 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(E, I, bias=False, dtype=dtype, rngs=rngs)
         self.up_proj = Linear(E, I, bias=False, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(I, E, bias=False, dtype=dtype, rngs=rngs)
+        self.tanh_gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # else SiLU
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = jax.nn.gelu(gate, approximate=True) if self.tanh_gelu else jax.nn.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class Experts(nnx.Module):
@@ -136,18 +152,54 @@ class SparseMoeBlock(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
+    """Llama's layer; Gemma's norms the attention output with post_attention_layernorm and puts the
+    MLP between pre_ and post_feedforward_layernorm."""
+
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        norm = functools.partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, unit_offset=cfg.gemma)
+        self.input_layernorm = norm()
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = norm()
         self.mlp = (SparseMoeBlock if cfg.num_experts else MLP)(cfg, dtype=dtype, rngs=rngs)
+        self.pre_feedforward_layernorm = norm() if cfg.gemma else None
+        self.post_feedforward_layernorm = norm() if cfg.gemma else None
 
     def __call__(
         self, layer_idx: int, x: jax.Array, cos: jax.Array, sin: jax.Array, attn_fn: AttnFn, cache: Any
     ) -> tuple[jax.Array, Any]:
         h, cache = self.self_attn(layer_idx, self.input_layernorm(x), cos, sin, attn_fn, cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        if self.pre_feedforward_layernorm is None:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x)), cache
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), cache
+
+
+def _layer_inputs(cfg: ModelConfig, positions: jax.Array, num_layers: int, attn_fn: AttnFn
+                  ) -> list[tuple[jax.Array, jax.Array, AttnFn]]:
+    """(cos, sin, attn_fn with the layer's options bound) for layers 0 .. num_layers - 1."""
+    full = rope_cos_sin(positions, inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    sliding = full if cfg.sliding_rope_theta is None else rope_cos_sin(
+        positions, inv_frequencies(cfg.head_dim, cfg.sliding_rope_theta))
+    scale = {} if cfg.attention_scale is None else {"scale": cfg.attention_scale}
+    inputs = []
+    for i in range(num_layers):
+        options = {**scale, "window": cfg.window(i)} if cfg.window(i) else scale
+        inputs.append((*(sliding if cfg.window(i) else full),
+                       functools.partial(attn_fn, **options) if options else attn_fn))
+    return inputs
+
+
+def _final_logits(cfg: ModelConfig, lm_head: Embedding, hidden: jax.Array) -> jax.Array:
+    logits = lm_head.attend(hidden)
+    cap = cfg.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def repeats_layer_pattern(layer_windows: tuple[int, ...], layers_per_group: int) -> bool:
+    """Whether every group of `layers_per_group` layers has the first group's windows (and so
+    RoPE): what lets one compiled layer program serve every group (ModelConfig.layer_windows)."""
+    return all(w == layer_windows[i % layers_per_group] for i, w in enumerate(layer_windows))
 
 
 class Decoder(nnx.Module):
@@ -156,9 +208,10 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.cfg = cfg
         self.dtype = jnp.dtype(dtype)
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs,
+                                      scale=cfg.hidden_size**0.5 if cfg.gemma else None)
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, unit_offset=cfg.gemma)
         self.lm_head = None if cfg.tie_word_embeddings else Embedding(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs
         )
@@ -167,16 +220,15 @@ class Decoder(nnx.Module):
         self, input_ids: jax.Array, positions: jax.Array, attn_fn: AttnFn, cache: Any
     ) -> tuple[jax.Array, Any]:
         """input_ids, positions: [B, T] int32 -> (hidden [B, T, E] after the final norm, cache)."""
-        cfg = self.cfg
         x = self.embed_tokens(input_ids)  # x: [B, T, E]
-        cos, sin = rope_cos_sin(positions, inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        for i, layer in enumerate(self.layers):
-            x, cache = layer(i, x, cos, sin, attn_fn, cache)
+        for i, (layer, (cos, sin, attn)) in enumerate(
+                zip(self.layers, _layer_inputs(self.cfg, positions, len(self.layers), attn_fn))):
+            x, cache = layer(i, x, cos, sin, attn, cache)
         return self.norm(x), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden: [..., E] (already normed) -> [..., V] float32: the LM head only."""
-        return (self.embed_tokens if self.lm_head is None else self.lm_head).attend(hidden)
+        """hidden: [..., E] (already normed) -> [..., V] float32: the LM head (and soft cap) only."""
+        return _final_logits(self.cfg, self.embed_tokens if self.lm_head is None else self.lm_head, hidden)
 
 
 @dataclass(frozen=True, eq=False)
@@ -252,11 +304,10 @@ class DecoderStages:
     def layers(self, group: list[list[jax.Array]], x: jax.Array, positions: jax.Array, attn_fn: AttnFn,
                cache: Any) -> tuple[jax.Array, Any]:
         """One group of layers; attn_fn sees them as layers 0 .. len(group) - 1 of `cache`."""
-        cfg = self.cfg
-        cos, sin = rope_cos_sin(positions, inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        for i, leaves in enumerate(group):
+        for i, (leaves, (cos, sin, attn)) in enumerate(
+                zip(group, _layer_inputs(self.cfg, positions, len(group), attn_fn))):
             layer = nnx.merge(self.layer_def, jax.tree.unflatten(self.layer_tree, leaves))
-            x, cache = layer(i, x, cos, sin, attn_fn, cache)
+            x, cache = layer(i, x, cos, sin, attn, cache)
         return x, cache
 
     def _head(self, head: list[jax.Array]) -> "_Head":
@@ -268,7 +319,7 @@ class DecoderStages:
 
     def logits(self, head: list[jax.Array], hidden: jax.Array) -> jax.Array:
         """hidden: [..., E] (normed) -> [..., V] float32."""
-        return self._head(head).lm_head.attend(hidden)
+        return _final_logits(self.cfg, self._head(head).lm_head, hidden)
 
 
 class _Head(nnx.Module):
@@ -277,10 +328,14 @@ class _Head(nnx.Module):
 
 
 def stages(model: Decoder, layers_per_group: int) -> tuple[DecoderStages, StageParams]:
-    """The decoder cut into stages, its layers in groups of `layers_per_group` (a divisor of the depth)."""
+    """The decoder cut into stages, its layers in groups of `layers_per_group` (a divisor of the depth
+    whose groups repeat the layer pattern)."""
     L = len(model.layers)
     if L % layers_per_group:
         raise ValueError(f"{layers_per_group} layers per group do not divide {L} layers")
+    if not repeats_layer_pattern(model.cfg.layer_windows, layers_per_group):
+        raise ValueError(f"groups of {layers_per_group} layers do not repeat the model's layer pattern "
+                         f"(sliding windows per layer: {model.cfg.layer_windows})")
     embed_def, embed_state = nnx.split(model.embed_tokens)
     head_def, head_state = nnx.split(_Head(model.norm, model.embed_tokens if model.lm_head is None else model.lm_head))
     layer_splits = [nnx.split(layer) for layer in model.layers]

@@ -24,16 +24,19 @@ from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn
 from zipage_jax.layers.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from zipage_jax.layers.sampler import SamplerOutput, SamplerState, SamplingBatch, record_inputs, sample
-from zipage_jax.models.decoder import DecoderStages, StageParams
+from zipage_jax.models.decoder import DecoderStages, StageParams, repeats_layer_pattern
 
 logger = logging.getLogger("zipage_jax")
 
 MAX_LAYERS_PER_GROUP = 8
 
 
-def layers_per_group(num_layers: int) -> int:
-    """The largest divisor of the depth that is at most MAX_LAYERS_PER_GROUP."""
-    return max(d for d in range(1, MAX_LAYERS_PER_GROUP + 1) if num_layers % d == 0)
+def layers_per_group(num_layers: int, layer_windows: tuple[int, ...] = ()) -> int:
+    """The largest divisor of the depth that is at most MAX_LAYERS_PER_GROUP and whose groups
+    repeat the layer pattern (sliding windows, ModelConfig.layer_windows); where none does, the
+    smallest larger one (the whole depth at worst: one group)."""
+    fits = [d for d in range(1, num_layers + 1) if num_layers % d == 0 and repeats_layer_pattern(layer_windows, d)]
+    return max((d for d in fits if d <= MAX_LAYERS_PER_GROUP), default=fits[0])
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "replicated"), donate_argnames=("sampler",))
