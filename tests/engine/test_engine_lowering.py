@@ -151,7 +151,7 @@ class Engine:
         cfg = EngineConfig().compression
         blocks, per_row = self._abstract(padding_tables(b, w, MAX_NUM_SEQS))
         layer = KVState(self.state.kv.pools[:1], self.state.kv.queries[:1])
-        return lower_for_h200(compress_layer, layer, blocks, per_row, mesh=self.mesh, cfg=cfg,
+        return lower_for_h200(compress_layer, layer, blocks, per_row, self._ints(), mesh=self.mesh, cfg=cfg,
                               backend=Backend.PALLAS, tp=self.tp, rope=())
 
     # -- what the kernels must see --------------------------------------------------------

@@ -55,8 +55,17 @@ class CoreRequest:
 
 class Admission:
     def __init__(self, config: EngineConfig, pool: KVPoolPlan, tokenizer, vocab_size: int,
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], sliding_window: int = 0):
+        """sliding_window: the model's largest sliding window in tokens (0: none). Every budget must
+        hold it, the engine's default budgets included (ValueError here, when the engine starts)."""
         self.config, self.pool, self.tokenizer = config, pool, tokenizer
+        self.sliding_window = sliding_window
+        if config.max_cache_blocks_per_seq is not None:
+            blocks = config.max_cache_blocks_per_seq
+            self._check_window(f"max_cache_blocks_per_seq {blocks} ({blocks * pool.block_size} tokens)",
+                               blocks * pool.block_size)
+        if config.auto_budget:
+            self._check_window(f"auto_budget_max {config.auto_budget_max}", config.auto_budget_max)
         self.vocab = min(vocab_size, len(tokenizer))  # ids the model has a row for and the tokenizer a token for
         self.model_vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -117,6 +126,7 @@ class Admission:
             blocks = config.max_cache_blocks_per_seq if params.kv_budget is None else -(-params.kv_budget // bs)
             if blocks is None:
                 return None
+            self._check_window(f"kv_budget {params.kv_budget}", blocks * bs)
             budget = resolve_budget(policy, options, blocks, bs, config.query_cache_len)
         if params.keep_prompt:  # the prompt on top: a reserve that holds all of it
             blocks = -(-(prompt_len + budget.tokens) // bs)
@@ -146,7 +156,11 @@ class Admission:
         ceiling = params.kv_budget_max or config.auto_budget_max
         if ceiling < config.auto_budget_min:
             raise ValueError(f"kv_budget_max={ceiling} is below this engine's auto_budget_min={config.auto_budget_min}")
+        self._check_window(f"{'kv_budget_max' if params.kv_budget_max else 'auto_budget_max'} {ceiling}", ceiling)
         ceiling = min(ceiling, (self.pool.num_usable_blocks - 1) * bs)
+        if ceiling < self.sliding_window:
+            raise ValueError(f"the model's sliding window {self.sliding_window} does not fit in the KV pool "
+                             f"({ceiling} tokens per sequence)")
 
         def holds_protected(blocks: int) -> bool:
             try:
@@ -155,11 +169,19 @@ class Admission:
                 return False
             return True
 
-        floor = max(config.auto_budget_min, prompt_len if config.auto_budget_keeps_prompt else 0)
+        # the floor is raised to the sliding window (a ceiling below it was refused above)
+        floor = max(config.auto_budget_min, self.sliding_window, prompt_len if config.auto_budget_keeps_prompt else 0)
         auto = auto_budget.bounds(min(floor, ceiling), ceiling, config.auto_budget_min,
                                   config.auto_budget_threshold, bs, holds_protected)
         blocks = min(auto.ceiling, max(auto.floor, -(-prompt_len // bs)))
         return dataclasses.replace(resolve_budget(policy, options, blocks, bs, ql), auto=auto, options=options)
+
+    def _check_window(self, budget: str, tokens: int) -> None:
+        """ValueError naming `budget` when its `tokens` cannot hold the model's sliding window: a
+        sliding layer keeps a sequence's most recent budget tokens (compress/step.py) and reads its
+        last window of them."""
+        if tokens < self.sliding_window:
+            raise ValueError(f"{budget} is smaller than the model's sliding window {self.sliding_window}")
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

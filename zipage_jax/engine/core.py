@@ -90,6 +90,9 @@ class EngineCore:
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids or ()) | ({tok_eos} if tok_eos is not None else set())))
         self.special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
+        # before the runner: a default budget smaller than the model's sliding window stops the start here
+        self.admission = Admission(config, pool, self.tokenizer, mc.vocab_size, self.eos_token_ids,
+                                   sliding_window=max(mc.layer_windows, default=0))
         self.runner = ModelRunner(self.loaded, config, pool, eos_token_ids=self.eos_token_ids)
         self.batch = RunningBatch(config.max_num_seqs, pool.max_blocks_per_seq, self.runner.inputs.suppress_width,
                                   self.eos_token_ids)
@@ -99,7 +102,6 @@ class EngineCore:
                                    num_query_slots=pool.num_query_slots, max_compress_seqs=config.max_compress_seqs,
                                    prefill_row_size=config.row_size, prompt_window=config.prompt_window,
                                    batch=self.batch)
-        self.admission = Admission(config, pool, self.tokenizer, mc.vocab_size, self.eos_token_ids)
         self.requests: dict[str, CoreRequest] = {}
         self._request_of: dict[int, CoreRequest] = {}  # by seq id, while the request is not finished
         self.stats = EngineStats(num_kv_blocks=pool.num_usable_blocks, num_query_slots=pool.num_query_slots)

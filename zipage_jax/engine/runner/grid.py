@@ -135,7 +135,7 @@ class ProgramGrid:
     def _compile_compress(self, b: int, w: int) -> None:
         kv = self.abstract_state.kv
         tables = padding_tables(b, w, self.layout.num_query_slots)
-        self.compressor.get(("batch", b, "blocks", w), KVState(kv.pools[:1], kv.queries[:1]), *tables)
+        self.compressor.get(("batch", b, "blocks", w), KVState(kv.pools[:1], kv.queries[:1]), *tables, np.int32(0))
 
     def _compile_seed(self, n: int) -> None:
         one = np.zeros(1, np.int32)

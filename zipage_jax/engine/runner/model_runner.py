@@ -89,7 +89,7 @@ class ModelRunner:
             graphdef, params = nnx.split(model)
             model = nnx.merge(graphdef, self.tp.place_params(params))
         self.params = nnx.state(model)  # as an nnx.State (the compiled steps take them per stage)
-        self.stages, stage_params = stages(model, layers_per_group(mc.num_layers))
+        self.stages, stage_params = stages(model, layers_per_group(mc.num_layers, mc.layer_windows))
         self.row_size = config.row_size
         backend = Backend.resolve(config.attention_backend, jax.default_backend())
         self.inputs = InputLayout(pool, config, backend, mc.vocab_size, eos_token_ids)
@@ -212,18 +212,23 @@ class ModelRunner:
         token, read back at once (compress/auto_budget.py)."""
         key = self.grid.compress_key(len(rows), int(self.running.num_blocks[rows].max()))
         tables = measurement_tables(self.running, rows, key[1], key[3], self.inputs.num_query_slots)
-        return np.mean(jax.device_get(self.run_compaction(key, tables)), axis=(0, 1))[:len(rows)]  # layers, shards
+        lost = np.asarray(jax.device_get(self.run_compaction(key, tables)))  # [layers, shards, b, w]
+        # averaged over the full-attention layers: a sliding layer reads only its window, which
+        # every budget holds (compress/step.py compress_measured); all layers sliding: 0
+        full = [i for i in range(len(lost)) if self.model_config.window(i) == 0]
+        return (lost[full].mean(axis=(0, 1)) if full else np.zeros(lost.shape[2:], lost.dtype))[:len(rows)]
 
     def run_compaction(self, key: tuple, tables: CompactionTables) -> list[jax.Array]:
         """The compaction program `key` over every layer of the device state; per layer [shards, b, w]
         the evicted attention shares (left on the device)."""
         kv = self.abstract_state.kv
-        self.compressor.get(key, KVState(kv.pools[:1], kv.queries[:1]), *tables)  # built before it is relayed
+        self.compressor.get(key, KVState(kv.pools[:1], kv.queries[:1]), *tables, np.int32(0))  # built before relayed
         self._relay("run_compaction", key, tables)
         pools, queries = list(self.state.kv.pools), list(self.state.kv.queries)
         lost = []
-        for i in range(len(pools)):  # one program, called per layer
-            layer, layer_lost = self.compressor(key, KVState((pools[i],), (queries[i],)), *tables)
+        for i in range(len(pools)):  # one program, called per layer, its sliding window as data
+            layer, layer_lost = self.compressor(key, KVState((pools[i],), (queries[i],)), *tables,
+                                                np.int32(self.model_config.window(i)))
             pools[i], queries[i] = layer.pools[0], layer.queries[0]
             lost.append(layer_lost)
         self.state = self.state._replace(kv=KVState(tuple(pools), tuple(queries)))
