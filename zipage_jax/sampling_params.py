@@ -28,6 +28,61 @@ MAX_CHOICES = 1024  # strings of a structured_outputs choice
 
 
 @dataclass(frozen=True)
+class Bound:
+    """The range a number field takes: [low, high], or (low, high] when `low_open`; `real`: a
+    float (any finite number in range, an integer included), else an integer."""
+
+    low: int | float
+    high: int | float
+    real: bool = False
+    low_open: bool = False
+
+    def pydantic_constraints(self) -> dict[str, int | float]:
+        """The bound as pydantic.Field's keyword arguments."""
+        return {"gt" if self.low_open else "ge": self.low, "le": self.high}
+
+    def check(self, name: str, value: object) -> int | float:
+        """`value` (a float for a real field); ValueError naming `name` and the range when it is
+        not a number of the field's kind within it."""
+        if self.real:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {_short(value)}")
+            value = float(value)
+        elif not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {_short(value)}")
+        above_low = value > self.low if self.low_open else value >= self.low
+        if not (above_low and value <= self.high):
+            raise ValueError(f"{name} must be in {'(' if self.low_open else '['}{_number(self.low)}, "
+                             f"{_number(self.high)}], got {_short(value)}")
+        return value
+
+
+def _number(x: int | float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+# Every numeric SamplingParams field's range, checked by SamplingParams and stated by the server's
+# request model (server/protocol.py). A field whose default is None may also be None.
+BOUNDS: dict[str, Bound] = {
+    "n": Bound(1, MAX_N),
+    "temperature": Bound(0, FLOAT32_MAX, real=True),
+    "top_p": Bound(0, 1, real=True, low_open=True),
+    "top_k": Bound(-1, INT32_MAX),
+    "min_p": Bound(0, 1, real=True),
+    "repetition_penalty": Bound(0, FLOAT32_MAX, real=True, low_open=True),
+    "presence_penalty": Bound(-2, 2, real=True),
+    "frequency_penalty": Bound(-2, 2, real=True),
+    "seed": Bound(SEED_MIN, SEED_MAX),
+    "max_tokens": Bound(1, INT32_MAX),
+    "min_tokens": Bound(0, INT32_MAX),
+    "logprobs": Bound(0, MAX_LOGPROBS),
+    "prompt_logprobs": Bound(0, MAX_LOGPROBS),
+    "kv_budget": Bound(0, INT32_MAX),
+    "kv_budget_max": Bound(1, INT32_MAX),
+}
+
+
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """Grammar-constrained decoding (vLLM's names): exactly one of the fields says what the output
     must be. The engine compiles it when the request is admitted (an invalid schema, regex or
@@ -105,23 +160,13 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # the output follows this grammar
 
     def __post_init__(self) -> None:
-        _integer("n", self.n, low=1, high=MAX_N)
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-            object.__setattr__(self, name, _real(name, getattr(self, name)))
-        if not 0 <= self.temperature <= FLOAT32_MAX:
-            raise ValueError(f"temperature must be in [0, {FLOAT32_MAX:g}], got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _integer("top_k", self.top_k, low=-1, high=INT32_MAX)
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0 < self.repetition_penalty <= FLOAT32_MAX:
-            raise ValueError(f"repetition_penalty must be in (0, {FLOAT32_MAX:g}], got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.seed is not None:
-            _integer("seed", self.seed, low=SEED_MIN, high=SEED_MAX)
+        if isinstance(self.kv_budget, str) and self.kv_budget != "auto":
+            raise ValueError(f"kv_budget must be a token count or \"auto\", got {self.kv_budget!r}")
+        for name, bound in BOUNDS.items():
+            value = getattr(self, name)
+            optional = self.__dataclass_fields__[name].default is None
+            if not (value is None and optional) and not (name == "kv_budget" and value == "auto"):
+                object.__setattr__(self, name, bound.check(name, value))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -131,22 +176,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.prompt_compression not in (None, "bounded", "deferred"):
             raise ValueError(f"prompt_compression must be bounded or deferred, got {self.prompt_compression!r}")
-        _integer("max_tokens", self.max_tokens, low=1, high=INT32_MAX)
-        _integer("min_tokens", self.min_tokens, low=0, high=INT32_MAX)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                _integer(name, getattr(self, name), low=0, high=MAX_LOGPROBS)
-        if self.kv_budget is not None and self.kv_budget != "auto":
-            if isinstance(self.kv_budget, str):
-                raise ValueError(f"kv_budget must be a token count or \"auto\", got {self.kv_budget!r}")
-            _integer("kv_budget", self.kv_budget, low=0, high=INT32_MAX)
-        if self.kv_budget_max is not None:
-            _integer("kv_budget_max", self.kv_budget_max, low=1, high=INT32_MAX)
-            if self.kv_budget not in ("auto", None):
-                raise ValueError("kv_budget_max bounds an automatic budget: set kv_budget=\"auto\" (or leave it to "
-                                 "an engine whose default is automatic)")
+        if self.kv_budget_max is not None and self.kv_budget not in ("auto", None):
+            raise ValueError("kv_budget_max bounds an automatic budget: set kv_budget=\"auto\" (or leave it to "
+                             "an engine whose default is automatic)")
         if self.kv_budget == "auto" and self.keep_prompt:
             raise ValueError("keep_prompt needs a fixed kv_budget: an automatic budget sizes the prompt's share itself")
         if self.eviction_policy is not None:
@@ -162,20 +196,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
-
-
-def _integer(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {_short(value)}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bounds}, got {_short(value)}")
-
-
-def _real(name: str, value: object) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:

@@ -1,15 +1,11 @@
-"""What the data-parallel tests share: one Ray instance per module (starting one takes seconds),
-and the server tests' harness (tests/server/server_harness.py)."""
+"""What the data-parallel tests share: one Ray instance per module (starting one takes seconds).
+The server tests' harness they also use is tests/server_harness.py."""
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 
 @pytest.fixture(scope="module")

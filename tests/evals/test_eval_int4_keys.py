@@ -1,4 +1,5 @@
-"""`zipage-jax eval int4-keys`: its quantizers and attention on tiny synthetic inputs (no model)."""
+"""`zipage-jax eval int4-keys`: its quantizers and attention on tiny synthetic inputs, and its
+capture of a model's queries, keys and values (a random two-layer model)."""
 
 import numpy as np
 import pytest
@@ -125,3 +126,17 @@ def test_hadamard_rotation_is_orthonormal_and_spreads_an_outlier_channel():
     x = rng.standard_normal((64, 2, 64)).astype(np.float32)
     x[..., 5] *= 40.0  # one outlier channel: per-token scales waste their range on it
     assert ek.rel_err(ek.int4_hadamard(x), x) < 0.5 * ek.rel_err(ek.int4_per_token(x), x)
+
+
+def test_capture_hands_every_layer_and_matches_the_models_own_attention():
+    from zipage_jax.models.loading import load_model
+
+    loaded = load_model("random-qwen3-tiny")
+    cfg = loaded.config
+    layers = ek.capture(loaded, list(range(1, 41)), num_queries=16)
+    assert len(layers) == cfg.num_layers
+    for q, k, v, model_out in layers:
+        assert q.shape == model_out.shape == (16, cfg.num_heads, cfg.head_dim)
+        assert k.shape == v.shape == (40, cfg.num_kv_heads, cfg.head_dim)
+        assert ek.rel_err(ek.attention(q, k, v), model_out) < 1e-5
+        assert ek.rel_err(ek.attention(q, k[::-1], v), model_out) > 1e-2  # control: the check sees a wrong key order

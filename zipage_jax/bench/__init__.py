@@ -1,5 +1,6 @@
 """Benchmarks (`zipage-jax bench NAME`): each module has add_arguments(parser) and run(args) -> int,
-and measures through the public engine API; common.py holds what they share."""
+and measures through the public engine API; zipage_jax/harness.py holds what they share with
+the evaluations."""
 
 SUBCOMMANDS = {
     "throughput": "requests per second and tokens per second: full KV against compressed, side by side",

@@ -41,7 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
-from zipage_jax.bench.common import add_output_arguments, build_llm, emit, log
+from zipage_jax.harness import add_output_arguments, build_llm, emit, log
 
 SERVED_NAME = "bench"
 WORDS = ("time year people way day man thing woman life child world school state family student group country "

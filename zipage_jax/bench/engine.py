@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 
-from zipage_jax.bench.common import add_output_arguments, build_llm, emit, log, median_seconds
+from zipage_jax.harness import add_output_arguments, build_llm, emit, log, median_seconds
 
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time"
 
@@ -64,13 +64,12 @@ def hf_run(model, tokenizer, batch: int, new_tokens: int) -> float:
         return time.perf_counter() - start
 
 
-def matmul_floor_seconds(llm, batch: int, runs: int = 10) -> float:
+def matmul_floor_seconds(model, batch: int, runs: int = 10) -> float:
     """One decode step's matrix products alone at `batch` rows: q/k/v, o, gate, up and down of
-    every layer and the LM head, in one jitted chain over the engine's own weights."""
+    every layer and the LM head, in one jitted chain over the decoder's weights (the engine's)."""
     import jax
     import jax.numpy as jnp
 
-    model = llm.engine.core.loaded.model
     layers = [(layer.self_attn.qkv_proj.kernel[...], layer.self_attn.o_proj.kernel[...],
                layer.mlp.gate_proj.kernel[...], layer.mlp.up_proj.kernel[...], layer.mlp.down_proj.kernel[...])
               for layer in model.layers]
@@ -88,7 +87,7 @@ def matmul_floor_seconds(llm, batch: int, runs: int = 10) -> float:
     return median_seconds(lambda: chain(x, layers, head).block_until_ready(), runs)
 
 
-def bench_batch(llm, hf, batch: int, new_tokens: int, runs: int) -> dict:
+def bench_batch(llm, model, hf, batch: int, new_tokens: int, runs: int) -> dict:
     """Tokens/s of the engine and HF, runs interleaved; the decode-step breakdown."""
     zipage_run(llm, batch, new_tokens)  # warm-up: compiles every bucket this batch uses
     if hf is not None:
@@ -104,7 +103,7 @@ def bench_batch(llm, hf, batch: int, new_tokens: int, runs: int) -> dict:
     if hf is not None:
         row["hf_tok_s"] = batch * new_tokens / statistics.median(theirs)
         row["ratio_vs_hf"] = row["zipage_tok_s"] / row["hf_tok_s"]
-    floor = matmul_floor_seconds(llm, batch)
+    floor = matmul_floor_seconds(model, batch)
     row["decode_step_ms"] = 1e3 * statistics.median(steps)
     row["matmul_floor_ms"] = 1e3 * floor
     row["decode_step_over_floor"] = statistics.median(steps) / floor
@@ -144,13 +143,15 @@ def run(args: argparse.Namespace) -> int:
 
         return emit(run_against_baseline(args), args)
     from zipage_jax.crosscheck.reference import load_reference_model
+    from zipage_jax.models.loading import load_model
 
-    llm = build_llm(args.model, max_num_seqs=max(args.batches), kvcache_block_size=32, warmup=True)
-    source = str(llm.engine.core.loaded.source)
+    loaded = load_model(args.model)
+    llm = build_llm(args.model, loaded=loaded, max_num_seqs=max(args.batches), kvcache_block_size=32, warmup=True)
+    source = str(loaded.source)
     results: dict = {"model": source, "new_tokens": args.new_tokens, "runs": args.runs, "batches": {}}
     hf = None if args.skip_hf else load_reference_model(source)
     for batch in args.batches:
-        row = bench_batch(llm, hf, batch, args.new_tokens, args.runs)
+        row = bench_batch(llm, loaded.model, hf, batch, args.new_tokens, args.runs)
         results["batches"][str(batch)] = row
         log(f"batch {batch:3d}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     if source.endswith(".gguf"):

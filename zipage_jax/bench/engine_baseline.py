@@ -16,8 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from zipage_jax.bench.common import git_commit, log, usage_error
 from zipage_jax.bench.trees import ROOT, Tree, add_worktree, remove_worktree
+from zipage_jax.harness import git_commit, log, usage_error
 
 DECODE_GOAL = 1.05  # this tree's decode step at most this much of the baseline's: within noise or better
 

@@ -46,10 +46,10 @@ import time
 import traceback
 import warnings
 
-from zipage_jax.bench.common import log, median_seconds, run_record
 from zipage_jax.bench.compact_cases import PATTERNS, compaction_case, num_pool_blocks
 from zipage_jax.bench.throughput import run_benchmark
 from zipage_jax.bench.workload import Workload
+from zipage_jax.harness import log, median_seconds, run_record
 from zipage_jax.models.random_model import QWEN3_8B, TINY_QWEN3, random_model
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")

@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from zipage_jax.bench.common import add_output_arguments, emit, log
 from zipage_jax.bench.host_goals import evaluate_goals
+from zipage_jax.harness import add_output_arguments, emit, log
 
 MODEL = "random-qwen3-tiny"
 DECODE_SHARE = 0.8  # a step counts as a decode step of the batch when this share of it decoded

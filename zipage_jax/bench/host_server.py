@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from zipage_jax.bench.common import log
+from zipage_jax.harness import log
 
 HEALTH_TIMEOUT_S = 600.0
 

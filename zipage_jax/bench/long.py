@@ -104,7 +104,6 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from zipage_jax.bench.common import add_output_arguments, emit, log, run_record, usage_error
 from zipage_jax.bench.stepping import EngineRun, drive, warm_up
 from zipage_jax.bench.workload import (
     Workload,
@@ -114,6 +113,7 @@ from zipage_jax.bench.workload import (
     size_pools,
     workload_overrides,
 )
+from zipage_jax.harness import add_output_arguments, emit, log, run_record, usage_error
 from zipage_jax.models.random_model import RANDOM_MODELS
 
 FLAT_TOLERANCE = 0.10  # the compressed run's last window within 10% of its first full window
@@ -256,7 +256,8 @@ class WindowedRun(EngineRun):
         wrong = {p for p in self.position.values() if p != self.workload.max_tokens}
         if wrong:
             raise RuntimeError(f"{self.name}: expected {self.workload.max_tokens} tokens per request, got {wrong}")
-        if self.engine.core.block_manager.num_free_blocks != self.engine.core.block_manager.num_usable_blocks:
+        stats = self.engine.get_stats()
+        if stats.num_free_blocks != stats.num_kv_blocks:
             raise RuntimeError(f"{self.name}: KV blocks leaked after the run")
         windows = [[s for s in self.steps if s.window == k] for k in range(self.workload.num_windows)]
 
@@ -267,7 +268,6 @@ class WindowedRun(EngineRun):
             return per_window(lambda st: 1e3 * statistics.median(value(s) for s in st))
 
         seconds = sum(s.seconds for s in self.steps)
-        stats = self.engine.get_stats()
         return {
             "step_ms_by_window": median_ms(lambda s: s.seconds),
             "host_ms_by_window": median_ms(lambda s: s.host_seconds),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from zipage_jax.bench.common import add_output_arguments, emit, interleaved_medians, log
+from zipage_jax.harness import add_output_arguments, emit, interleaved_medians, log
 
 GOAL = 1.5  # the MoE step at most this many times the dense step of the same active width
 

@@ -43,7 +43,7 @@ import argparse
 import json
 from pathlib import Path
 
-from zipage_jax.bench.common import usage_error
+from zipage_jax.harness import usage_error
 
 METRICS = {
     "ppl_ratio": "ppl ratio, text (full / compressed)",

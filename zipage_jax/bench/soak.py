@@ -40,9 +40,9 @@ import asyncio
 import signal
 import time
 
-from zipage_jax.bench.common import add_output_arguments, emit, log, usage_error
 from zipage_jax.bench.soak_checks import all_met, soak_report, table
 from zipage_jax.bench.soak_mix import GREEDY_CASES, GREEDY_TOKENS, KINDS, Mix, parse_weights
+from zipage_jax.harness import add_output_arguments, emit, log, usage_error
 
 ENGINE_DEFAULTS = {"kvcache_block_size": 16, "num_kvcache_blocks": 1024, "max_num_seqs": 16, "max_model_len": 1024,
                    "warmup": False}
@@ -176,7 +176,7 @@ def _serve(options: dict, mix: Mix, args: argparse.Namespace, kill_at: float | N
 def offline_greedy_tokens(options: dict) -> list[list[str]]:
     """Each greedy case's tokens from an engine in this process, as the server shows them
     (logprobs' tokens: each id decoded alone)."""
-    from zipage_jax.bench.common import build_llm
+    from zipage_jax.harness import build_llm
     from zipage_jax.sampling_params import SamplingParams
 
     llm = build_llm(**options)

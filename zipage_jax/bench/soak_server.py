@@ -21,7 +21,7 @@ import time
 import httpx
 import psutil
 
-from zipage_jax.bench.common import log
+from zipage_jax.harness import log
 
 HEALTH_TIMEOUT_S = 600.0
 STOP_GRACE_S = 30.0  # beyond the server's own --shutdown-timeout

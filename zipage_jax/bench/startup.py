@@ -60,11 +60,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from zipage_jax.bench.common import add_output_arguments, emit, git_commit, log, usage_error
 from zipage_jax.bench.startup_goals import evaluate_goals
 from zipage_jax.bench.startup_metrics import median_fields
 from zipage_jax.bench.startup_server import ServerProbe
 from zipage_jax.bench.trees import Tree, add_worktree, remove_worktree
+from zipage_jax.harness import add_output_arguments, emit, git_commit, log, usage_error
 from zipage_jax.models import random_model
 
 ROOT = Path(__file__).resolve().parents[2]

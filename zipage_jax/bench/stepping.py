@@ -38,10 +38,8 @@ class EngineRun:
 
     def wait_for_device(self) -> float:
         """Blocks until the engine's dispatched work is done; returns the seconds waited."""
-        import jax
-
         start = time.perf_counter()
-        jax.block_until_ready(self.engine.core.runner.state)
+        self.engine.wait_for_device()
         return time.perf_counter() - start
 
 

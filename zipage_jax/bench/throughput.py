@@ -60,7 +60,6 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from zipage_jax.bench.common import add_output_arguments, emit, log, usage_error
 from zipage_jax.bench.stepping import EngineRun, drive, warm_up
 from zipage_jax.bench.task_table import run_task_table
 from zipage_jax.bench.workload import (
@@ -74,6 +73,7 @@ from zipage_jax.bench.workload import (
     workload_overrides,
 )
 from zipage_jax.compress.auto_budget import parse_budget
+from zipage_jax.harness import add_output_arguments, emit, log, usage_error
 
 PRESETS = {
     # 32 concurrent long generations; full KV holds about 4 of them at once
@@ -103,14 +103,14 @@ class TimedRun(EngineRun):
         self.compress_compile_seconds = 0.0
 
     def step(self) -> None:
-        runner = self.engine.core.runner
-        before, before_compress = runner.compile_seconds, runner.compressor.seconds
+        engine = self.engine
+        before, before_compress = engine.get_stats().compile_seconds, engine.introspect().compaction_compile_seconds
         start = time.perf_counter()
-        outputs = self.engine.step()
+        outputs = engine.step()
         elapsed = time.perf_counter() - start
-        compiled = runner.compile_seconds - before
+        compiled = engine.get_stats().compile_seconds - before
         self.compile_seconds += compiled
-        self.compress_compile_seconds += runner.compressor.seconds - before_compress
+        self.compress_compile_seconds += engine.introspect().compaction_compile_seconds - before_compress
         self.seconds += max(0.0, elapsed - compiled)
         for out in outputs:
             if out.finished:
@@ -131,10 +131,10 @@ class TimedRun(EngineRun):
 
 def summarize(run: TimedRun, warm: dict) -> dict:
     engine, results = run.engine, run.results()
-    stats = engine.get_stats()
-    if engine.core.block_manager.num_free_blocks != engine.core.block_manager.num_usable_blocks:
+    stats, inside = engine.get_stats(), engine.introspect()
+    if stats.num_free_blocks != stats.num_kv_blocks:
         raise RuntimeError(f"{run.name}: KV blocks leaked after the run")
-    compress_seconds = max(0.0, engine.core.runner.compress_seconds - run.compress_compile_seconds)
+    compress_seconds = max(0.0, inside.compaction_seconds - run.compress_compile_seconds)
     output_tokens = sum(len(r["token_ids"]) for r in results)
     config = engine.config
     compressed = config.max_cache_blocks_per_seq is not None
@@ -158,8 +158,8 @@ def summarize(run: TimedRun, warm: dict) -> dict:
         "query_slots": stats.num_query_slots if compressed else None,
         "kv_cache_dtype": config.kv_cache_dtype,
         "pool_blocks": config.num_kvcache_blocks,
-        "block_bytes": engine.core.pool.block_bytes,
-        "pool_bytes": (config.num_kvcache_blocks - 1) * engine.core.pool.block_bytes,
+        "block_bytes": inside.kv_block_bytes,
+        "pool_bytes": (config.num_kvcache_blocks - 1) * inside.kv_block_bytes,
     }
 
 

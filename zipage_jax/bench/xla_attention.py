@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from zipage_jax.bench.common import add_output_arguments, emit, interleaved_medians, log, usage_error
 from zipage_jax.bench.gpu import decode_inputs
+from zipage_jax.harness import add_output_arguments, emit, interleaved_medians, log, usage_error
 
 DEFAULT_CASES = ("1x96", "1x1024", "8x96", "16x96", "16x512", "64x96", "64x512")
 

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype="float32", kvcache_block_size=args.kvcache_block_size)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     ours = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
-    reference = load_reference_model(str(llm.engine.core.loaded.source))
+    reference = load_reference_model(llm.engine.introspect().model_source)
     report = {"identical": True, "tokens_compared": 0, "prompts": []}
     for prompt, mine in zip(prompts, ours):
         ids = llm.tokenizer(prompt)["input_ids"]

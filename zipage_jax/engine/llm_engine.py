@@ -16,8 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
+
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.core import EngineCore, EngineFailed
+from zipage_jax.engine.introspection import EngineIntrospection
 from zipage_jax.engine.output_processor import OutputProcessor
 from zipage_jax.engine.outputs import RequestOutput
 from zipage_jax.engine.runner.warmup import Warmup
@@ -51,6 +54,18 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()
+
+    def introspect(self) -> EngineIntrospection:
+        """What benchmarks and evaluations read of the engine beyond its stats (engine/introspection.py)."""
+        runner = self.core.runner
+        return EngineIntrospection(model_source=str(self.core.loaded.source), kv_block_bytes=self.core.pool.block_bytes,
+                                   compaction_compile_seconds=runner.compressor.seconds,
+                                   compaction_seconds=runner.compress_seconds)
+
+    def wait_for_device(self) -> None:
+        """Blocks until the device has done the work the engine dispatched (with asynchronous
+        scheduling a step returns while the device still computes it)."""
+        jax.block_until_ready(self.core.runner.state)
 
     @property
     def last_step_host_seconds(self) -> float:

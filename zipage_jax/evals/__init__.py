@@ -1,6 +1,7 @@
 """Evaluations (`zipage-jax eval NAME`): each module has add_arguments(parser) and run(args) -> int,
-and runs through the public engine API; datasets.py holds every data set with its dev / held-out
-split."""
+and runs through the public engine API (the run record, timing and output: zipage_jax/harness.py);
+datasets.py holds every data set with its dev / held-out split. Benchmarks may import these
+modules, never the reverse."""
 
 SUBCOMMANDS = {
     "quality": "perplexity of compressed KV against full KV on texts and reasoning traces",

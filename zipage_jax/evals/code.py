@@ -26,7 +26,6 @@ import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from zipage_jax.bench.common import build_llm, run_record
 from zipage_jax.compress.policies import POLICIES
 from zipage_jax.evals.configs import (
     EvalConfig,
@@ -40,6 +39,7 @@ from zipage_jax.evals.configs import (
 )
 from zipage_jax.evals.datasets import SPLITS, HumanEvalProblem, humaneval_problems
 from zipage_jax.evals.sandbox import Limits, run_program
+from zipage_jax.harness import build_llm, run_record
 
 DEFAULT_BUDGETS = (64, 96, 128, 192, 256)
 INSTRUCTION = "Complete the following Python function:"

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zipage_jax.bench.common import build_llm, timed
 from zipage_jax.evals.variants import VARIANTS, engine_group, group_engine_options
+from zipage_jax.harness import build_llm, timed
 
 WORKLOADS = ("text", "reasoning", "passkey")  # a row's flat length fields are those of its first present
 

@@ -4,7 +4,7 @@
 
 What it measures. The default model prefills each dev text (the first --length tokens of the
 standard library's argparse.py and pydoc_data/topics.py, datasets.DEV_TEXTS) in one
-jitted pass of the engine's own stages (`llm.engine.core.runner.stages`, its parameters), which hands
+jitted pass of the decoder's stages (models/decoder.py, as the engine runs them), which hands
 every layer's keys (after RoPE), values and the last --queries queries (16: what the engine's
 query cache holds) to this evaluation. Per layer it computes the exact causal attention output of
 those queries over all the text's keys/values, then the same with the cache quantized (numpy,
@@ -49,8 +49,8 @@ import time
 
 import numpy as np
 
-from zipage_jax.bench.common import add_output_arguments, build_llm, emit, log, run_record
 from zipage_jax.evals.datasets import DEV_TEXTS, stdlib_path
+from zipage_jax.harness import add_output_arguments, emit, log, run_record
 
 GROUP = 32  # int4: elements per scale (per-token layout), tokens per scale (per-channel layout)
 INT4_QMAX, INT8_QMAX = 7.0, 127.0
@@ -170,17 +170,17 @@ def layer_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray, layouts=LAYOUTS) -
 
 # -- the model's keys, values and queries ----------------------------------------------------------
 
-def capture(llm, token_ids: list[int], num_queries: int) -> list[tuple[np.ndarray, ...]]:
+def capture(loaded, token_ids: list[int], num_queries: int) -> list[tuple[np.ndarray, ...]]:
     """Per layer (q [Q, Hq, D] of the last Q tokens, k [T, Hkv, D] after RoPE, v [T, Hkv, D], the
-    model's attention output of those queries [Q, Hq, D]), float32: one prefill through the
-    engine's stages, layer group by layer group (one program serves every group)."""
+    model's attention output of those queries [Q, Hq, D]), float32: one prefill of the loaded
+    model (models/loading.py) through the decoder's stages, every layer in one group."""
     import jax
     import jax.numpy as jnp
 
     from zipage_jax.layers.attention import causal_attention
+    from zipage_jax.models.decoder import stages as decoder_stages
 
-    runner = llm.engine.core.runner
-    stages, params = runner.stages, runner.forward.params
+    stages, params = decoder_stages(loaded.model, loaded.config.num_layers)
 
     def attn(layer, q, k, v, cache):
         out, _ = causal_attention(layer, q, k, v, None)
@@ -259,15 +259,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    llm = build_llm(args.model, kvcache_block_size=16, num_kvcache_blocks=8, max_num_seqs=1)
-    mc = llm.engine.core.loaded.config
+    from zipage_jax.models.loading import load_model
+
+    loaded = load_model(args.model)
+    mc = loaded.config
     per_text = {}
     for name in args.texts:
-        ids = llm.tokenizer(stdlib_path(name).read_text(encoding="utf-8", errors="replace"))["input_ids"][:args.length]
+        text = stdlib_path(name).read_text(encoding="utf-8", errors="replace")
+        ids = loaded.tokenizer(text)["input_ids"][:args.length]
         if len(ids) < args.length:
             raise ValueError(f"{name} has only {len(ids)} tokens; --length is {args.length}")
         layers = []
-        for q, k, v, model_out in capture(llm, ids, args.queries):
+        for q, k, v, model_out in capture(loaded, ids, args.queries):
             errs = layer_errors(q, k, v)
             errs["model_check"] = rel_err(attention(q, k, v), model_out)
             layers.append(errs)

@@ -46,13 +46,13 @@ from pathlib import Path
 
 import numpy as np
 
-from zipage_jax.bench.common import add_output_arguments, build_llm, emit, log, timed, usage_error
 from zipage_jax.evals.datasets import PASSKEY_DEPTHS, TWO_QUESTION_DEPTHS
 from zipage_jax.evals.forcing import Job, job_result
 from zipage_jax.evals.long_prompt_cases import FULL, Case, Outcome, Point, build_cases
 from zipage_jax.evals.long_prompt_report import make_rows, markdown_tables, passkey_found
 from zipage_jax.evals.variants import VARIANTS, group_engine_options
 from zipage_jax.evals.variants import engine_group as variant_group
+from zipage_jax.harness import add_output_arguments, build_llm, emit, log, timed, usage_error
 
 DEFAULT_POLICIES = ["vnorm-prompt"]  # the engine's default
 BUDGETS = (512,)  # kv_budget tokens

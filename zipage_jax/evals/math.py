@@ -27,7 +27,6 @@ import warnings
 from collections.abc import Sequence
 from fractions import Fraction
 
-from zipage_jax.bench.common import build_llm, run_record
 from zipage_jax.evals.configs import (
     EvalConfig,
     add_engine_arguments,
@@ -38,6 +37,7 @@ from zipage_jax.evals.configs import (
 )
 from zipage_jax.evals.datasets import SPLITS
 from zipage_jax.evals.math_data import DATASETS, MathProblem, load
+from zipage_jax.harness import build_llm, run_record
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 DEFAULT_CONFIGS = ("vnorm-prompt@auto",)

@@ -81,7 +81,6 @@ import argparse
 from pathlib import Path
 
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES
-from zipage_jax.bench.common import add_output_arguments, emit, log, usage_error
 from zipage_jax.evals.datasets import DEV_TEXTS, HELDOUT_KINDS, HELDOUT_PER_KIND
 from zipage_jax.evals.forcing import WORKLOADS, full_kv_results, run_batch, workload_of
 from zipage_jax.evals.quality_budgets import (
@@ -96,6 +95,7 @@ from zipage_jax.evals.quality_jobs import PROMPT_TOKENS, REASONING_LENGTH, build
 from zipage_jax.evals.quality_report import format_row, markdown_table, point_rows
 from zipage_jax.evals.scoring import nll
 from zipage_jax.evals.variants import VARIANTS
+from zipage_jax.harness import add_output_arguments, emit, log, usage_error
 
 DEFAULT_POLICIES = ["full", "streaming", "zipage-attn", "zipage", "window", "vnorm-window", "vnorm-prompt"]
 MEMORY_POLICIES = ["streaming", "zipage", "vnorm-prompt"]

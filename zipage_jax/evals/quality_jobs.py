@@ -150,7 +150,8 @@ def reasoning_jobs(llm, length: int, conversations: tuple, split: str = "dev") -
     the answer tokens (generate_conversations); cached on disk by every input."""
     from zipage_jax.models.param_cache import default_cache_dir
 
-    inputs = [llm.engine.core.loaded.source, length, [[seed, list(problems)] for problems, seed in conversations],
+    problems_by_seed = [[seed, list(problems)] for problems, seed in conversations]
+    inputs = [llm.engine.introspect().model_source, length, problems_by_seed,
               REASONING_SUFFIX, REASONING_ANSWER_TOKENS, REASONING_MIN_ROOM, REASONING_SEED_STRIDE, 0.6, 0.95]
     key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
     cache = default_cache_dir() / f"reasoning-{key}.json"

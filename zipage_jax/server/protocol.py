@@ -10,7 +10,9 @@ flag (limits.py), which also writes the bound into the OpenAPI document.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Union
+import functools
+from dataclasses import fields
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     AfterValidator,
@@ -28,14 +30,10 @@ from pydantic import (
 
 from zipage_jax.chat import RESERVED_TEMPLATE_KWARGS, check_chat_template_kwargs, tool_call_arguments
 from zipage_jax.sampling_params import (
+    BOUNDS,
     EVICTION_POLICIES,
-    FLOAT32_MAX,
     INT32_MAX,
-    MAX_LOGPROBS,
-    MAX_N,
     MAX_STOP_TOKEN_IDS,
-    SEED_MAX,
-    SEED_MIN,
     SamplingParams,
     check_text,
 )
@@ -64,8 +62,15 @@ def _text(**constraints: Any) -> Any:
 
 Text = _text()
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # and, checked by the engine, below the vocabulary size
-Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 Real = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _bounded(param: str, **field: Any) -> Any:
+    """The number type of SamplingParams' `param`, with its range (sampling_params.BOUNDS)."""
+    bound = BOUNDS[param]
+    return Annotated[Real if bound.real else int, Field(**bound.pydantic_constraints(), **field)]
+
+
 NonEmptyText = _text(min_length=1)
 
 # A field that takes one of several shapes is validated as the shape its value has (no trial
@@ -160,28 +165,27 @@ class SamplingFields(_Strict):
     """Fields shared by both endpoints; None means the SamplingParams default."""
 
     model: Text
-    n: Annotated[int, Field(ge=1, le=MAX_N, description="completions per prompt; at most the server's --max-n "
-                                                        "and --max-num-seqs")] | None = None
-    max_tokens: Count | None = None
-    temperature: Annotated[Real, Field(ge=0, le=FLOAT32_MAX)] | None = None
-    top_p: Annotated[Real, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX, description="0 or -1: off; at or above the vocabulary "
-                                                                 "size: every token")] | None = None
-    min_p: Annotated[Real, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[Real, Field(gt=0, le=FLOAT32_MAX)] | None = None
-    presence_penalty: Annotated[Real, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[Real, Field(ge=-2, le=2)] | None = None
-    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    n: _bounded("n", description="completions per prompt; at most the server's --max-n and "
+                                 "--max-num-seqs") | None = None
+    max_tokens: _bounded("max_tokens") | None = None
+    temperature: _bounded("temperature") | None = None
+    top_p: _bounded("top_p") | None = None
+    top_k: _bounded("top_k", description="0 or -1: off; at or above the vocabulary size: every token") | None = None
+    min_p: _bounded("min_p") | None = None
+    repetition_penalty: _bounded("repetition_penalty") | None = None
+    presence_penalty: _bounded("presence_penalty") | None = None
+    frequency_penalty: _bounded("frequency_penalty") | None = None
+    seed: _bounded("seed") | None = None
     stop: Stop | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool | None = None
-    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
+    min_tokens: _bounded("min_tokens") | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    kv_budget: Annotated[int, Field(ge=0, le=INT32_MAX)] | Literal["auto"] | None = Field(
+    kv_budget: _bounded("kv_budget") | Literal["auto"] | None = Field(
         None, description="KV tokens kept per sequence; 0 = full KV; \"auto\" = sized at each compaction by the "
                           "attention it would evict (zipage extension)")
-    kv_budget_max: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = Field(
+    kv_budget_max: _bounded("kv_budget_max") | None = Field(
         None, description="kv_budget \"auto\": the most KV tokens kept per sequence; default: the server's "
                           "(zipage extension)")
     eviction_policy: Literal[EVICTION_POLICIES] | None = Field(
@@ -193,7 +197,7 @@ class SamplingFields(_Strict):
         None, description="a prompt longer than kv_budget: bounded compacts between prefill chunks (memory: the "
                           "budget and one chunk), deferred once at the prompt's end (memory: the whole prompt); "
                           "default: the server's (zipage extension)")
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+    prompt_logprobs: _bounded("prompt_logprobs") | None = Field(
         None, description="log-probabilities of the prompt tokens, with this many top alternatives (vLLM extension)")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(
@@ -202,12 +206,6 @@ class SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-
-    SAMPLING: ClassVar[tuple[str, ...]] = (
-        "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-        "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "skip_special_tokens",
-        "include_stop_str_in_output", "kv_budget", "kv_budget_max", "eviction_policy", "keep_prompt",
-        "prompt_compression", "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -219,8 +217,21 @@ class SamplingFields(_Strict):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, **overrides: Any) -> SamplingParams:
         """Raises ValueError (from SamplingParams) for out-of-range values."""
-        given = {name: getattr(self, name) for name in self.SAMPLING if getattr(self, name) is not None}
+        given = {name: getattr(self, name) for name in sampling_fields(type(self)) if getattr(self, name) is not None}
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **{**given, **overrides})
+
+
+# SamplingParams fields a request also has that the handler sets rather than copies: max_tokens (the
+# room the prompt leaves), logprobs (a bool in chat) and structured_outputs (the compiled grammar).
+SET_BY_HANDLER = frozenset({"max_tokens", "logprobs", "structured_outputs"})
+
+
+@functools.cache
+def sampling_fields(request: type[SamplingFields]) -> tuple[str, ...]:
+    """The fields of `request` copied into SamplingParams as they are: every one SamplingParams
+    also has, but SET_BY_HANDLER."""
+    params = {f.name for f in fields(SamplingParams)}
+    return tuple(name for name in request.model_fields if name in params and name not in SET_BY_HANDLER)
 
 
 Prompt = _one_of("a string, a list of strings, a list of token ids or a list of token-id lists", _prompt_shape,
@@ -235,7 +246,7 @@ Prompt = _one_of("a string, a list of strings, a list of token ids or a list of 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: _bounded("logprobs") | None = None
     echo: bool = Field(False, description="the prompt comes first in each choice's text (and logprobs)")
     max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX, description="0: only the prompt (with echo)")] | None = None
 
@@ -344,8 +355,8 @@ class ChatTemplateFields(_Strict):
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: Messages
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    max_completion_tokens: Count | None = None
+    top_logprobs: _bounded("logprobs") | None = None
+    max_completion_tokens: _bounded("max_tokens") | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = Field(None, description='"none", "auto" (the default with tools; needs the '
                                                              "server's --enable-auto-tool-choice and "

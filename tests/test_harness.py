@@ -1,4 +1,4 @@
-"""zipage_jax/bench/common.py: the run record, timing and medians, the JSON output; and the "run"
+"""zipage_jax/harness.py: the run record, timing and medians, the JSON output; and the "run"
 object of every JSON result kept in docs/."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from zipage_jax.bench import common
+from zipage_jax import harness
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 DOCS_JSON = sorted((ROOT / "docs").glob("**/*.json"))
 
 
 def test_run_record_keys_and_types():
-    info = common.run_record()
+    info = harness.run_record()
     assert set(info) == {"commit", "date", "load_average", "cpu_count", "platform", "python", "jax"}
     assert info["commit"] == "unknown" or re.fullmatch(r"[0-9a-f]{4,40}(-dirty)?", info["commit"])
     date = datetime.datetime.fromisoformat(info["date"])
@@ -38,8 +38,8 @@ def test_run_record_without_git(monkeypatch):
     def no_git(*args, **kwargs):
         raise FileNotFoundError("git")
 
-    monkeypatch.setattr(common.subprocess, "run", no_git)
-    assert common.run_record()["commit"] == "unknown"
+    monkeypatch.setattr(harness.subprocess, "run", no_git)
+    assert harness.run_record()["commit"] == "unknown"
 
 
 @pytest.mark.parametrize("path", DOCS_JSON, ids=lambda p: str(p.relative_to(ROOT / "docs")))
@@ -60,7 +60,7 @@ def test_docs_has_json_results():
 
 
 class FakeClock:
-    """time.perf_counter for common: a call advances it by the next of `durations` (the fn's own time)."""
+    """time.perf_counter for the harness: a call advances it by the next of `durations` (the fn's own time)."""
 
     def __init__(self, durations: list[float]):
         self.now, self.durations, self.calls = 0.0, iter(durations), []
@@ -79,32 +79,32 @@ class FakeClock:
 
 def test_timed_and_median_seconds(monkeypatch):
     clock = FakeClock([0.5, 3.0, 1.0, 2.0, 10.0, 1.5])
-    monkeypatch.setattr(common.time, "perf_counter", clock)
-    assert common.timed(clock.work("once")) == ("once", 0.5)
-    assert common.median_seconds(clock.work("f"), runs=3) == 2.0  # 3, 1, 2
-    assert common.median_seconds(clock.work("g"), runs=2) == pytest.approx(5.75)  # the mean of the middle two
+    monkeypatch.setattr(harness.time, "perf_counter", clock)
+    assert harness.timed(clock.work("once")) == ("once", 0.5)
+    assert harness.median_seconds(clock.work("f"), runs=3) == 2.0  # 3, 1, 2
+    assert harness.median_seconds(clock.work("g"), runs=2) == pytest.approx(5.75)  # the mean of the middle two
     assert clock.calls == ["once"] + ["f"] * 3 + ["g"] * 2
     with pytest.raises(ValueError, match="at least 1"):
-        common.median_seconds(clock.work("never"), runs=0)
+        harness.median_seconds(clock.work("never"), runs=0)
 
 
 def test_interleaved_medians_alternate_the_calls(monkeypatch):
     clock = FakeClock([1.0, 10.0, 5.0, 20.0, 3.0, 30.0])
-    monkeypatch.setattr(common.time, "perf_counter", clock)
-    medians = common.interleaved_medians({"a": clock.work("a"), "b": clock.work("b")}, runs=3)
+    monkeypatch.setattr(harness.time, "perf_counter", clock)
+    medians = harness.interleaved_medians({"a": clock.work("a"), "b": clock.work("b")}, runs=3)
     assert clock.calls == ["a", "b", "a", "b", "a", "b"]
     assert medians == {"a": 3.0, "b": 20.0} and list(medians) == ["a", "b"]
 
 
 def _output_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    common.add_output_arguments(parser)
+    harness.add_output_arguments(parser)
     return parser.parse_args(argv)
 
 
 def test_emit_json_line_and_out_file(tmp_path, capsys):
     out = tmp_path / "results" / "bench.json"
-    assert common.emit({"tokens": 3}, _output_args("--json", "--out", str(out)), status=1) == 1
+    assert harness.emit({"tokens": 3}, _output_args("--json", "--out", str(out)), status=1) == 1
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == 1
     result = json.loads(printed[0])
@@ -114,13 +114,13 @@ def test_emit_json_line_and_out_file(tmp_path, capsys):
 
 def test_emit_without_json_prints_indented_and_keeps_a_run_it_has(capsys):
     kept = {"commit": "abc1234", "date": "2026-01-01T00:00:00+00:00"}
-    assert common.emit({"tokens": 3, "run": kept}, _output_args()) == 0
+    assert harness.emit({"tokens": 3, "run": kept}, _output_args()) == 0
     printed = capsys.readouterr().out
     assert json.loads(printed) == {"tokens": 3, "run": kept} and printed.count("\n") > 1
 
 
 def test_usage_error_exits_2_with_the_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        common.usage_error("bench throughput", "--a and --b do not go together")
+        harness.usage_error("bench throughput", "--a and --b do not go together")
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == "zipage-jax bench throughput: error: --a and --b do not go together\n"

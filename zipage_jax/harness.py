@@ -1,5 +1,8 @@
-"""What every benchmark and evaluation shares: the run record, timing and medians, the engine
-builder and the JSON output.
+"""What every benchmark, evaluation and cross-check may share: the run record, timing and
+medians, the engine builder and the JSON output. It sits below them all: bench/ may import
+evals/ (a benchmark runs an evaluation's tasks), never the reverse, and neither reaches into
+the engine past its public API (`LLM`, `LLMEngine`, `EngineCore`, their stats and
+`LLMEngine.introspect()`).
 
     def add_arguments(parser):
         ...
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
     from zipage_jax.llm import LLM
     from zipage_jax.models.loading import LoadedModel
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _git(*args: str) -> str:

@@ -1,5 +1,5 @@
 """The server under test (uvicorn in a thread, the real engine core on a tiny model driven in
-this process, failing on demand) and the helpers the test_server* modules share."""
+this process, failing on demand) and the helpers the server and data-parallel tests share."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ ROW_FAILURE = "injected: this request's step inputs could not be built"
 ENGINE_OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=256, max_num_seqs=8, max_model_len=256,
                       max_num_batched_tokens=512)
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
