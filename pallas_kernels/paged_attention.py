@@ -37,8 +37,8 @@ group, (p s_g) . v_g, written as NG outputs [block_h, 32] and concatenated outsi
 The int4 pool holds its values in a Hadamard-rotated basis (kv_quant): the wrapper rotates q
 before the kernel and the output after it, so the kernel never un-rotates a tile.
 
-`paged_decode_attention_reference` is the plain-XLA path the engine uses where Pallas is not
-available (CPU); it is `xla_attention.paged_attention` with one query token.
+Its plain-XLA reference, `paged_decode_attention_reference`, lives beside the engine's XLA
+attention in zipage_jax/layers/xla_paged_attention.py.
 """
 
 from __future__ import annotations
@@ -52,10 +52,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.kv_pool import KVPool
+from pallas_kernels.kv_pool import check_paged_inputs
 from pallas_kernels.kv_quant import INT4_GROUP, check_kv_scales, is_int4, rotate_int4
 from pallas_kernels.tiling import next_power_of_two
-from pallas_kernels.xla_attention import check_paged_inputs, paged_attention
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _DEFAULT_PROGRAMS = 128  # grid size to fill when the device does not report its core count
@@ -370,17 +369,3 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     return _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, scale=scale, window=window,
                          block_h=block_h, block_k=block_k, k_splits=k_splits,
                          num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=["scale", "window"])
-def paged_decode_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                                     block_tables: jax.Array, context_lens: jax.Array, *,
-                                     scale: float | None = None, window: int = 0) -> jax.Array:
-    """Plain-XLA decode attention, same contract as `paged_decode_attention`."""
-    if q.ndim != 3 or context_lens.ndim != 1:
-        raise ValueError(f"q must be [B, Hq, D] and context_lens [B], "
-                         f"got {q.shape} and {context_lens.shape}")
-    out, _ = paged_attention(q[:, None], KVPool(k_pool, v_pool), block_tables, context_lens[:, None], scale=scale,
-                             window=window)
-    return out[:, 0]
-

@@ -7,7 +7,7 @@ from collections.abc import Callable, Container
 
 import jax
 
-from zipage_jax.engine.runner.programs import CompiledSteps
+from zipage_jax.engine.runner.programs import CompiledPrograms
 from zipage_jax.engine.runner.steps import DeviceState
 from zipage_jax.layers.kv_cache import KVState
 
@@ -17,11 +17,11 @@ class InjectedFailure(RuntimeError):
 
 
 class FailingCalls:
-    """Makes calls `at` (1-based, counted from now) of `steps` (a runner's CompiledSteps) run the
+    """Makes calls `at` (1-based, counted from now) of `steps` (a runner's CompiledPrograms) run the
     real executable and then raise InjectedFailure. Per failure, `donated` records whether the
     call had consumed the state, and `observed` what `observe()` returned then."""
 
-    def __init__(self, monkeypatch, steps: CompiledSteps, at: Container[int],
+    def __init__(self, monkeypatch, steps: CompiledPrograms, at: Container[int],
                  observe: Callable[[], object] = lambda: None):
         self.at, self.calls = at, 0
         self.donated: list[bool] = []

@@ -18,7 +18,7 @@ from pallas_kernels.kv_pool import KVPool
 from zipage_jax.compress.config import CompressionConfig
 from zipage_jax.compress.policies import POLICIES, RowSequence, compress_rows, resolve_budget
 from zipage_jax.compress.step import compress, compress_layer, compress_measured
-from zipage_jax.engine.runner.steps import compress_layer as runner_compress_layer
+from zipage_jax.engine.runner.steps import compaction_program
 from zipage_jax.layers.kv_cache import KVState
 
 BS, M, QL, HKV, GROUP, D = 16, 2, 4, 2, 2, 16
@@ -174,7 +174,7 @@ def test_the_window_reaches_the_runner_program_as_data(caplog):
     blocks = jnp.stack([tables, targets])
     per_row = jnp.concatenate([jnp.stack([num_blocks, query_ids, compressed.astype(jnp.int32)]),
                                jnp.stack([jnp.asarray(r, jnp.int32) for r in rows])])
-    call = jax.jit(runner_compress_layer.__wrapped__, static_argnames=("cfg", "backend", "tp", "rope"),
+    call = jax.jit(compaction_program.__wrapped__, static_argnames=("cfg", "backend", "tp", "rope"),
                    donate_argnames=("kv",))  # a fresh cache: only this test's compiles count
     outputs = []
     jax.config.update("jax_log_compiles", True)
@@ -186,7 +186,7 @@ def test_the_window_reaches_the_runner_program_as_data(caplog):
     finally:
         jax.config.update("jax_log_compiles", False)
     compiles = [r.getMessage() for r in caplog.records
-                if "Compiling" in r.getMessage() and "compress_layer" in r.getMessage()]
+                if "Compiling" in r.getMessage() and "compaction_program" in r.getMessage()]
     assert len(compiles) == 1, compiles
     (full_kv, full_lost), (sliding_kv, sliding_lost) = outputs
     assert np.asarray(full_lost).max() > 0 and not np.asarray(sliding_lost).any()

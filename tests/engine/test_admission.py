@@ -8,6 +8,7 @@ from zipage_jax.compress.policies import POLICIES, Score
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.admission import Admission
 from zipage_jax.engine.pool_plan import KVPoolPlan
+from zipage_jax.engine.prompt_compaction import PromptCompaction
 from zipage_jax.sampling_params import SamplingParams
 
 BS, QL = 16, 8
@@ -21,7 +22,8 @@ def _admission(num_blocks: int = 64, **options) -> Admission:
     config = EngineConfig.from_options(kvcache_block_size=BS, query_cache_len=QL, compilation_cache_dir="",
                                        **options)
     pool = KVPoolPlan(BS, np.dtype(np.float32), 2, 1024, num_blocks, 4, 4096, (num_blocks - 1) * BS)
-    return Admission(config, pool, TOKENIZER, VOCAB, (TOKENIZER.eos_token_id,))
+    prompt = PromptCompaction.of(BS, config.max_num_batched_tokens, config.prompt_window, config.row_size)
+    return Admission(config, pool, prompt, TOKENIZER, VOCAB, (TOKENIZER.eos_token_id,))
 
 
 def test_engine_policy_options_and_budget_reach_the_sequences():

@@ -1,7 +1,7 @@
 """The engine's compiled steps lower to CUDA for H200s with the Pallas backend (on the CPU).
 
 The runner's jitted functions themselves, the forward step's stages (`engine/runner/forward.py`:
-embed, a group of layers, head; decode rows [B, 1], prefill rows [R, C]) and `compress_layer`
+embed, a group of layers, head; decode rows [B, 1], prefill rows [R, C]) and `compaction_program`
 (one layer), traced with abstract arguments of the runner's shapes and
 lowered for ("cuda",) under abstract H200s: a 2-layer random decoder of the default model's
 shape (SmolLM2-135M: 9 / 3 heads, head dim 64) and of Qwen3-8B's (32 / 8 heads, head dim 128),
@@ -35,7 +35,7 @@ from zipage_jax.engine.runner import forward
 from zipage_jax.engine.runner.compaction import padding_tables
 from zipage_jax.engine.runner.grid import bucket
 from zipage_jax.engine.runner.sampling_batch import SamplingArrays
-from zipage_jax.engine.runner.steps import DeviceState, compress_layer
+from zipage_jax.engine.runner.steps import DeviceState, compaction_program
 from zipage_jax.engine.sharding import TensorParallel, check_divisible
 from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.layers.paged_attention import StepInputs, uses_block_tables, xla_page_size
@@ -151,7 +151,7 @@ class Engine:
         cfg = EngineConfig().compression
         blocks, per_row = self._abstract(padding_tables(b, w, MAX_NUM_SEQS))
         layer = KVState(self.state.kv.pools[:1], self.state.kv.queries[:1])
-        return lower_for_h200(compress_layer, layer, blocks, per_row, self._ints(), mesh=self.mesh, cfg=cfg,
+        return lower_for_h200(compaction_program, layer, blocks, per_row, self._ints(), mesh=self.mesh, cfg=cfg,
                               backend=Backend.PALLAS, tp=self.tp, rope=())
 
     # -- what the kernels must see --------------------------------------------------------

@@ -15,11 +15,20 @@ from hypothesis import strategies as st
 from zipage_jax.compress.quotes import advance_quote_end
 from zipage_jax.engine.block_manager import BlockManager, CompressionPlan
 from zipage_jax.engine.core_outputs import EngineCoreOutputs
+from zipage_jax.engine.prompt_compaction import PromptCompaction
 from zipage_jax.engine.runner.results import FetchedStep, PromptLogprobsResult, RowFailure, RunnerOutput
 from zipage_jax.engine.running_batch import RunningBatch
 from zipage_jax.engine.scheduler import Chunk, Scheduler, SchedulerOutput
 from zipage_jax.engine.sequence import PENDING, Sequence, SequenceStatus
 from zipage_jax.sampling_params import SamplingParams
+
+
+def make_scheduler(bm: BlockManager, *, max_num_batched_tokens: int, prefill_row_size: int = 1,
+                   prompt_window: int = 0, **options) -> Scheduler:
+    """A scheduler with the prompt compaction rule the engine core would give it."""
+    prompt = PromptCompaction.of(bm.block_size, max_num_batched_tokens, prompt_window, prefill_row_size)
+    return Scheduler(bm, max_num_batched_tokens=max_num_batched_tokens, prefill_row_size=prefill_row_size,
+                     prompt=prompt, **options)
 
 
 def sampled_rows(out: SchedulerOutput) -> np.ndarray:
@@ -65,9 +74,9 @@ class Loop:
                  query_cache_len: int = 2, seed: int = 0, prompt_window: int = 0):
         self.bs, self.ql = bs, query_cache_len
         self.bm = BlockManager(num_blocks, bs, prefix_caching)
-        self.sched = Scheduler(self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                               num_query_slots=num_query_slots, max_compress_seqs=max_compress_seqs,
-                               prompt_window=prompt_window)
+        self.sched = make_scheduler(self.bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                    num_query_slots=num_query_slots, max_compress_seqs=max_compress_seqs,
+                                    prompt_window=prompt_window)
         self.device = FakeDevice(num_blocks, bs, num_query_slots, query_cache_len, seed)
         self.rng = random.Random(seed)
         self.max_tokens: dict[Sequence, int] = {}
@@ -634,8 +643,8 @@ def run_step(sched: Scheduler, token_id: int = 9) -> tuple[SchedulerOutput, list
 def test_prefill_rows_stay_within_the_grid_and_a_full_row_beside_a_decode():
     # rows of 8 tokens, 16 tokens a step: at most 2 prefill rows; a decode costs a token, not a row
     bm = BlockManager(64, 4, True)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16, num_query_slots=8, max_compress_seqs=8,
-                      prefill_row_size=8)
+    sched = make_scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16, num_query_slots=8, max_compress_seqs=8,
+                           prefill_row_size=8)
     decoding = Sequence([1, 2, 3], 4, max_len=100)
     sched.add(decoding)
     run_step(sched)  # its prompt, and its first token: it decodes from now on
@@ -655,8 +664,8 @@ def test_prefill_rows_stay_within_the_grid_and_a_full_row_beside_a_decode():
 
 def test_a_step_of_one_row_still_admits_a_prefill_beside_a_decode():
     bm = BlockManager(64, 4, True)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, num_query_slots=8, max_compress_seqs=8,
-                      prefill_row_size=8)
+    sched = make_scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8, num_query_slots=8, max_compress_seqs=8,
+                           prefill_row_size=8)
     first = Sequence([1, 2], 4, max_len=100)
     sched.add(first)
     run_step(sched, 5)
@@ -724,11 +733,11 @@ def test_a_deferred_prompt_compacts_once_at_its_last_full_block():
 
 def test_a_tail_always_fits_a_step_beside_its_chunks_row():
     # one prefill row a step: no room for the tail's own rows, so none (the chunk's own queries)
-    one_row = Scheduler(BlockManager(64, 16, True), max_num_seqs=4, max_num_batched_tokens=32, num_query_slots=4,
-                        max_compress_seqs=4, prefill_row_size=32, prompt_window=16)
+    one_row = make_scheduler(BlockManager(64, 16, True), max_num_seqs=4, max_num_batched_tokens=32, num_query_slots=4,
+                             max_compress_seqs=4, prefill_row_size=32, prompt_window=16)
     assert one_row.prompt.window == 0
-    two_rows = Scheduler(BlockManager(64, 16, True), max_num_seqs=4, max_num_batched_tokens=64, num_query_slots=4,
-                         max_compress_seqs=4, prefill_row_size=32, prompt_window=48)
+    two_rows = make_scheduler(BlockManager(64, 16, True), max_num_seqs=4, max_num_batched_tokens=64,
+                              num_query_slots=4, max_compress_seqs=4, prefill_row_size=32, prompt_window=48)
     assert two_rows.prompt.window == 32  # half a step, a row beside the chunk's
     seq = Sequence(prompt(200, 0), 16, budget=zipage_budget(2, 16, 8), query_cache_len=8, max_len=210)
     two_rows.add(seq)
@@ -819,8 +828,8 @@ def test_eos_stop_ids_min_tokens_and_max_tokens_finish_rows_in_one_step():
     # four rows decode together; each token is checked against its own row's request
     bm = BlockManager(64, 4, True)
     batch = RunningBatch(8, 63, 4, (2,))  # EOS: token 2
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, num_query_slots=8, max_compress_seqs=8,
-                      batch=batch)
+    sched = make_scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, num_query_slots=8, max_compress_seqs=8,
+                           batch=batch)
     params = {"eos": SamplingParams(max_tokens=10),
               "ignore_eos": SamplingParams(max_tokens=10, ignore_eos=True),
               "min_tokens": SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[7]),

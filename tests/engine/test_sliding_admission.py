@@ -14,6 +14,7 @@ from zipage_jax import LLM, SamplingParams
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.admission import Admission
 from zipage_jax.engine.pool_plan import KVPoolPlan
+from zipage_jax.engine.prompt_compaction import PromptCompaction
 from zipage_jax.models.loading import load_model
 
 BS, WINDOW = 16, 32
@@ -24,7 +25,8 @@ TOKENIZER = build_tokenizer(VOCAB)
 def _admission(window: int = WINDOW, num_blocks: int = 64, **options) -> Admission:
     config = EngineConfig.from_options(kvcache_block_size=BS, query_cache_len=8, compilation_cache_dir="", **options)
     pool = KVPoolPlan(BS, np.dtype(np.float32), 2, 1024, num_blocks, 4, 4096, (num_blocks - 1) * BS)
-    return Admission(config, pool, TOKENIZER, VOCAB, (TOKENIZER.eos_token_id,), sliding_window=window)
+    prompt = PromptCompaction.of(BS, config.max_num_batched_tokens, config.prompt_window, config.row_size)
+    return Admission(config, pool, prompt, TOKENIZER, VOCAB, (TOKENIZER.eos_token_id,), sliding_window=window)
 
 
 def test_a_budget_smaller_than_the_window_is_refused_and_the_window_itself_accepted():

@@ -35,7 +35,7 @@ COLLECTIVES = re.compile(r"= (\S+) (all-reduce|all-gather|all-to-all|collective-
 
 
 def collectives(steps) -> dict[str, dict[str, list[str]]]:
-    """Per compiled executable of `steps` (a runner's CompiledSteps): collective op name -> the
+    """Per compiled executable of `steps` (a runner's CompiledPrograms): collective op name -> the
     result shapes of its ops in the compiled HLO."""
     out = {}
     for key, exe in steps.executables.items():

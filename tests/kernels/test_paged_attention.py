@@ -12,8 +12,8 @@ from test_kv_quant import hadamard
 
 from pallas_kernels.kv_pool import KVPool
 from pallas_kernels.kv_quant import dequantize, quantize
-from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
-from pallas_kernels.xla_attention import paged_attention
+from pallas_kernels.paged_attention import paged_decode_attention
+from zipage_jax.layers.xla_paged_attention import paged_attention, paged_decode_attention_reference
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

@@ -10,8 +10,8 @@ from h200 import lower_for_h200
 from test_paged_attention import HEAD_DIM, NUM_KV_HEADS, make_paged_kv, naive_attention
 
 from pallas_kernels.kv_pool import KVPool
-from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
-from pallas_kernels.xla_attention import paged_attention
+from pallas_kernels.paged_attention import paged_decode_attention
+from zipage_jax.layers.xla_paged_attention import paged_attention, paged_decode_attention_reference
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

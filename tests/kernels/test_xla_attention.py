@@ -8,7 +8,7 @@ from test_paged_attention import HEAD_DIM, NUM_KV_HEADS, make_paged_kv, naive_at
 
 from pallas_kernels import kv_quant
 from pallas_kernels.kv_pool import KVPool
-from pallas_kernels.xla_attention import NewKV, paged_attention
+from zipage_jax.layers.xla_paged_attention import NewKV, paged_attention
 
 
 def make_chunk(seed, dtype, block_size, group, width, prefix_lens, new_lens, chunk):

@@ -10,7 +10,8 @@ from output_parsing import WEATHER_PARAMS, accepts, splits, tiny_grammar_compile
 from tiny_models import build_tokenizer
 
 from zipage_jax.server.protocol import JsonSchemaFormat, ResponseFormat, StructuredOutputs, Tool
-from zipage_jax.server.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser
+from zipage_jax.server.reasoning_parsers import REASONING_PARSERS, ReasoningTags, get_reasoning_parser
+from zipage_jax.server.reasoning_parsers.qwen3 import Qwen3ReasoningParser
 from zipage_jax.server.structured import grammar
 from zipage_jax.server.tool_parsers import get_tool_parser
 
@@ -114,6 +115,29 @@ def test_the_registry():
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
     with pytest.raises(ValueError, match="unknown reasoning parser 'nope'; choose from deepseek_r1, qwen3"):
         get_reasoning_parser("nope")
+
+
+def test_a_parser_registered_with_other_tags_splits_on_those(monkeypatch):
+    tagged = Qwen3ReasoningParser.tagged(ReasoningTags("<reason>", "</reason>"))
+    monkeypatch.setitem(REASONING_PARSERS, "reason", tagged)
+    parser = get_reasoning_parser("reason")
+    text = "<reason>a <think>b</think></reason>\n\nanswer"
+    assert parser().extract(text) == ("a <think>b</think>", "answer")
+    for pieces in splits(text):
+        stream = parser().stream()
+        deltas = [stream.feed(piece) for piece in pieces] + [stream.finish()]
+        assert ("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas)) == \
+            ("a <think>b</think>", "answer"), pieces
+    assert parser().extract("<think>a</think>b") == (None, "<think>a</think>b")  # not its tags: all content
+    assert QWEN3().extract("<think>a</think>b") == ("a", "b")  # the registered qwen3 still splits on <think>
+    tokenizer = build_tokenizer(320)
+    assert parser.for_prompt(tokenizer("assistant\n<reason>\n")["input_ids"], tokenizer).prompt_opened is True
+    assert parser.for_prompt(tokenizer("assistant\n<think>\n")["input_ids"], tokenizer).prompt_opened is None
+
+
+def test_empty_reasoning_tags_are_refused():
+    with pytest.raises(ValueError, match="reasoning tags must not be empty"):
+        Qwen3ReasoningParser.tagged(ReasoningTags("", "</think>"))
 
 
 # --- structured outputs after the reasoning

@@ -167,7 +167,8 @@ def section_paged_decode(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+    from pallas_kernels.paged_attention import paged_decode_attention
+    from zipage_jax.layers.xla_paged_attention import paged_decode_attention_reference
 
     batch, context = (3, 40) if args.smoke else (8, 1024)
     kernel = jax.jit(functools.partial(paged_decode_attention, interpret=args.smoke))
@@ -189,7 +190,8 @@ def section_decode_bandwidth(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+    from pallas_kernels.paged_attention import paged_decode_attention
+    from zipage_jax.layers.xla_paged_attention import paged_decode_attention_reference
 
     peak = peak_bandwidth(args)
     batch, context = args.decode_batch, args.decode_context

@@ -23,7 +23,7 @@ def time_case(batch: int, context: int, steps: list[int], runs: int, heads=(9, 3
     import jax.numpy as jnp
 
     from pallas_kernels.kv_pool import KVPool
-    from pallas_kernels.xla_attention import paged_attention, tokens_per_step
+    from zipage_jax.layers.xla_paged_attention import paged_attention, tokens_per_step
 
     if -(-context // page) > table_width:
         raise ValueError(f"context {context} needs more pages than the table width {table_width}")

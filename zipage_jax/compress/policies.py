@@ -187,7 +187,9 @@ class RowSequence:
 def compress_rows(budgets: list[KVBudget | None], batch_size: int | None = None,
                   sequences: list[RowSequence] | None = None) -> CompressRows:
     """Host arrays for a compression batch, padded to `batch_size` rows; padding rows (and None)
-    keep nothing. `sequences` (default: prompts of 0 tokens, nothing evicted) pairs with `budgets`."""
+    keep nothing. `sequences` (default: prompts of 0 tokens, nothing evicted) pairs with `budgets`;
+    given, their rows move a reserve the prompt cannot fill to the recent window
+    (`unfillable_reserve_to_recent`)."""
     rows = CompressRows(*np.zeros((len(CompressRows._fields), batch_size or len(budgets)), np.int32))
     live = [i for i, budget in enumerate(budgets) if budget is not None]
     picked = [budgets[i] for i in live]
@@ -197,17 +199,21 @@ def compress_rows(budgets: list[KVBudget | None], batch_size: int | None = None,
         budget=[b.tokens for b in picked], sinks=[b.sinks for b in picked], recent=[b.recent for b in picked],
         score=[int(b.policy.score) for b in picked], prompt_reserve=[b.prompt_reserve for b in picked],
         prompt_len=[q.prompt_len for q in seqs], position_offset=[q.evicted for q in seqs],
-        quote_end=[q.quote_end for q in seqs], in_prompt=[q.in_prompt for q in seqs],
-        unfilled_reserve_to_recent=sequences is not None)
+        quote_end=[q.quote_end for q in seqs], in_prompt=[q.in_prompt for q in seqs])
+    if sequences is not None:
+        unfillable_reserve_to_recent(rows, np.asarray(live, np.int64))
     return rows
 
 
-def set_compress_rows(rows: CompressRows, at: np.ndarray | slice, unfilled_reserve_to_recent: bool = True,
-                      **fields) -> None:
+def set_compress_rows(rows: CompressRows, at: np.ndarray | slice, **fields) -> None:
     """Sets rows `at` of `rows` from `fields` (one value per row for every field of CompressRows)."""
     for name in CompressRows._fields:
         getattr(rows, name)[at] = fields[name]
-    if unfilled_reserve_to_recent:
-        # a reserve the prompt cannot fill goes to the recent window (a short prompt, teacher-forced
-        # text): the protected tokens never exceed the admitted ones
-        rows.recent[at] += np.maximum(0, rows.prompt_reserve[at] - np.maximum(rows.prompt_len[at], rows.sinks[at]))
+
+
+def unfillable_reserve_to_recent(rows: CompressRows, at: np.ndarray | slice) -> None:
+    """The rule for a prompt reserve the prompt cannot fill (a short prompt, teacher-forced text):
+    rows `at` protect the part of their reserve beyond their prompt (and sinks) as recent tokens
+    instead, so the protected tokens never exceed the ones admission checked the budget holds.
+    Apply it once the rows' budgets and prompt lengths are set."""
+    rows.recent[at] += np.maximum(0, rows.prompt_reserve[at] - np.maximum(rows.prompt_len[at], rows.sinks[at]))

@@ -9,18 +9,18 @@ compiled step compresses any mix of policies and budgets.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.attention_score import attention_score, attention_score_reference
 from zipage_jax.backend import Backend
 from zipage_jax.compress.config import CompressionConfig
-from zipage_jax.compress.future import future_attention, rope_inv_freq
-from zipage_jax.compress.policies import RKV_LAMBDA, CompressRows, Score
+from zipage_jax.compress.policies import CompressRows
+from zipage_jax.compress.redundancy import redundancy_stage
+from zipage_jax.compress.score_kinds import observed_attention, ranked_by_position, row_scores
+from zipage_jax.compress.score_ops import max_normed, slots, valid_slots, where_rows
 
 
 class ScoreStages(NamedTuple):
@@ -35,21 +35,13 @@ class ScoreStages(NamedTuple):
 
 
 def score_layer(
-    k_pool: jax.Array,
-    v_pool: jax.Array,
-    queries: jax.Array,
-    block_tables: jax.Array,
-    num_blocks: jax.Array,
-    compressed: jax.Array,
-    score_cache: jax.Array | None,
-    rows: CompressRows,
-    cfg: CompressionConfig,
-    backend: Backend = Backend.XLA,
-    cache_tables: jax.Array | None = None,
-    rope: tuple[float, ...] = (),
+    k_pool: jax.Array, v_pool: jax.Array, queries: jax.Array, block_tables: jax.Array, num_blocks: jax.Array,
+    compressed: jax.Array, score_cache: jax.Array | None, rows: CompressRows, cfg: CompressionConfig,
+    backend: Backend = Backend.XLA, cache_tables: jax.Array | None = None, rope: tuple[float, ...] = (),
     positions: jax.Array | None = None,
 ) -> tuple[ScoreStages, jax.Array | None]:
-    """Scores one layer's tokens and picks the kept ones.
+    """Scores one layer's tokens and picks the kept ones: each row's score kind (score_kinds.py),
+    the engine-wide stages (`cfg`: global score, pooling, redundancy.py), then selection.
 
     Args:
       k_pool, v_pool: [NB, BS, Hkv, D] keys (after RoPE) and values, any float dtype (float32 math).
@@ -70,57 +62,45 @@ def score_layer(
       (stages, score_cache): the score cache with the new global score written into every
       valid block of every sequence (compaction then moves it with the tokens).
     """
-    backend = Backend.parse(backend)
     width, block_size = block_tables.shape[1], k_pool.shape[1]
-    valid = _valid(num_blocks, width, block_size)
-    by_position = rows.score == Score.POSITION  # [B]
-    future_rows = rows.score == Score.FUTURE
-    def per_row(mask):
-        return mask[:, None, None, None]
-
-    def attention():
-        if not backend.uses_pallas:
-            return attention_score_reference(k_pool, queries, block_tables, num_blocks)
-        return attention_score(k_pool, queries, block_tables, num_blocks, interpret=backend.interpret)
-
-    shape = (block_tables.shape[0], k_pool.shape[2], width, block_size)
-    attn = lax.cond(jnp.all(by_position | future_rows), lambda: jnp.zeros(shape, jnp.float32), attention)
-    weighted = rows.score == Score.VALUE_NORM
-    scores = lax.cond(jnp.any(weighted), lambda: jnp.where(
-        per_row(weighted), attn * value_norm(v_pool, block_tables), attn), lambda: attn)
-    inv_freq = rope_inv_freq(k_pool.shape[-1], rope)
-    scores = lax.cond(jnp.any(future_rows), lambda: jnp.where(
-        per_row(future_rows), future_attention(k_pool[block_tables], queries, valid, inv_freq), scores),
-        lambda: scores)
-    global_, pooled, red = None, None, None
+    valid = valid_slots(num_blocks, width, block_size)
+    attn = observed_attention(k_pool, queries, block_tables, num_blocks, rows, Backend.parse(backend))
+    scores = row_scores(attn, k_pool, v_pool, queries, block_tables, valid, rows, rope)
+    global_ = None
     if cfg.use_global_score:
         scores, score_cache = global_score(scores, score_cache, block_tables if cache_tables is None else cache_tables,
                                            num_blocks, compressed, rows.budget // block_size, cfg)
         global_ = scores
+    scores, pooled = pooling_stages(scores, compressed, rows, cfg)
+    scores, red = redundancy_stage(scores, k_pool, block_tables, num_blocks, valid, rows, cfg)
+    scores = ranked_by_position(scores, rows)
+    if positions is None:
+        positions = slots(width, block_size)[None, None] + rows.position_offset[:, None, None, None]
+    final, keep = select(scores, valid, num_blocks, positions, rows)
+    return ScoreStages(attn, global_, pooled, red, final, keep), score_cache
+
+
+def pooling_stages(scores: jax.Array, compressed: jax.Array, rows: CompressRows,
+                   cfg: CompressionConfig) -> tuple[jax.Array, jax.Array | None]:
+    """Step 3: the scores after max pooling (`enable_pooling`, `max_pool`) and, for rows
+    compacting inside their prompt, the prompt's wider pooling (`prompt_pooling_size`); and the
+    max-pooled scores (None when `enable_pooling` is off)."""
+    pooled = None
     if cfg.enable_pooling:
         scores = pooled = max_pool(scores, compressed, cfg)
     if cfg.prompt_pooling_size > 1:
-        prompt_rows = rows.in_prompt > 0
-        scores = lax.cond(jnp.any(prompt_rows), lambda: jnp.where(
-            per_row(prompt_rows), window_max(scores, cfg.prompt_pooling_size), scores), lambda: scores)
-    if cfg.redundancy != "none":
-        red = redundancy(k_pool, block_tables, num_blocks, cfg)
-        if cfg.use_global_score and cfg.max_norm:
-            red = _max_normed(red)
-        scores = scores * cfg.redundancy_lambda - red * (1 - cfg.redundancy_lambda)
-    rkv = rows.score == Score.REDUNDANCY
-    scores = lax.cond(jnp.any(rkv), lambda: jnp.where(per_row(rkv), redundancy_aware(
-        scores, redundancy(k_pool, block_tables, num_blocks, dataclasses.replace(cfg, redundancy="raw")), valid),
-        scores), lambda: scores)
-    pos = _slots(width, block_size).astype(jnp.float32)
-    scores = jnp.where(per_row(by_position), pos, scores)  # later = higher
+        scores = where_rows(rows.in_prompt > 0, lambda: window_max(scores, cfg.prompt_pooling_size), scores)
+    return scores, pooled
+
+
+def select(scores: jax.Array, valid: jax.Array, num_blocks: jax.Array, positions: jax.Array,
+           rows: CompressRows) -> tuple[jax.Array, jax.Array]:
+    """Steps 5-7: (final, keep), the ranking top-k reads (each row's sinks, recent window and
+    prompt reserve +inf, padding -inf) and the `rows.budget` best tokens of each (seq, head)."""
     final = protect_and_mask(scores, valid, num_blocks, rows)
-    if positions is None:
-        positions = _slots(width, block_size)[None, None] + rows.position_offset[:, None, None, None]
-    final = lax.cond(jnp.any(rows.prompt_reserve > 0), lambda: jnp.where(
-        prompt_reserve(scores, positions, valid, rows), jnp.inf, final), lambda: final)
-    keep = top_k_keep(final, valid, rows.budget)
-    return ScoreStages(attn, global_, pooled, red, final, keep), score_cache
+    final = where_rows(rows.prompt_reserve > 0,
+                       lambda: jnp.where(prompt_reserve(scores, positions, valid, rows), jnp.inf, final), final)
+    return final, top_k_keep(final, valid, rows.budget)
 
 
 def token_positions(position_cache: jax.Array | None, block_tables: jax.Array, num_blocks: jax.Array,
@@ -135,7 +115,7 @@ def token_positions(position_cache: jax.Array | None, block_tables: jax.Array, n
     there, at `slot + rows.position_offset` (a sequence never compressed: its slot)."""
     width = block_tables.shape[1]
     w = jnp.arange(width)
-    fresh = _slots(width, block_size)[None] + rows.position_offset[:, None, None]  # [B, W, BS]
+    fresh = slots(width, block_size)[None] + rows.position_offset[:, None, None]  # [B, W, BS]
     positions = jnp.broadcast_to(fresh[:, None], (block_tables.shape[0], num_kv_heads, width, block_size))
     if position_cache is None:
         return positions, None
@@ -156,25 +136,9 @@ def prompt_reserve(scores: jax.Array, positions: jax.Array, valid: jax.Array, ro
     def as_row(x):
         return x[:, None, None, None]
     is_prompt = valid & (positions < as_row(rows.prompt_len))
-    group = jnp.where(_slots(width, block_size) < as_row(rows.sinks), 2,
+    group = jnp.where(slots(width, block_size) < as_row(rows.sinks), 2,
                       (positions >= as_row(rows.quote_end)).astype(jnp.int32))  # sinks, unquoted, quoted
     return top_k_keep(jnp.where(is_prompt, scores, -jnp.inf), is_prompt, rows.prompt_reserve, group)
-
-
-def redundancy_aware(attn: jax.Array, red: jax.Array, valid: jax.Array) -> jax.Array:
-    """R-KV's score: RKV_LAMBDA * importance - (1 - RKV_LAMBDA) * redundancy, the importance
-    (attention, [B, Hkv, W, BS]) normalised to sum 1 over each row's valid tokens like the
-    softmaxed redundancy `red`."""
-    importance = jnp.where(valid, attn, 0.0)
-    total = importance.sum(axis=(-2, -1), keepdims=True)
-    importance = importance / jnp.where(total > 0, total, 1.0)
-    return RKV_LAMBDA * importance - (1 - RKV_LAMBDA) * red
-
-
-def value_norm(v_pool: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """L2 norm of every value in each sequence's table: [B, Hkv, W, BS] float32."""
-    values = v_pool[block_tables].astype(jnp.float32)  # [B, W, BS, Hkv, D]
-    return jnp.sqrt((values * values).sum(axis=-1)).transpose(0, 3, 1, 2)
 
 
 def protect_and_mask(scores: jax.Array, valid: jax.Array, num_blocks: jax.Array, rows: CompressRows) -> jax.Array:
@@ -209,7 +173,7 @@ def global_score(
     num_kv_blocks = score_cache.shape[0]
     width = block_tables.shape[1]
     if cfg.max_norm:
-        scores = _max_normed(scores)
+        scores = max_normed(scores)
     history = score_cache[block_tables].transpose(0, 3, 1, 2)  # [B, Hkv, W, BS]
     w = jnp.arange(width)
     use_history = compressed[:, None] & (w[None, :] < jnp.minimum(history_blocks, num_blocks - 1)[:, None])  # [B, W]
@@ -235,64 +199,6 @@ def window_max(scores: jax.Array, size: int) -> jax.Array:
     return lax.reduce_window(
         flat, -jnp.inf, lax.max, (1, 1, size), (1, 1, 1), ((0, 0), (0, 0), (size // 2, size // 2))
     ).reshape(scores.shape)
-
-
-def redundancy(
-    k_pool: jax.Array, block_tables: jax.Array, num_blocks: jax.Array, cfg: CompressionConfig
-) -> jax.Array:
-    """Step 4: softmax over the sequence of each key's (R-KV style) redundancy.
-
-    Cosine similarity between keys with the diagonal zeroed; for every key column, the row
-    of largest index among those above the threshold has its entry zeroed; row sums are the
-    logits. "lightning": keys of the same block only, logits / (temperature * BS); "raw":
-    the whole sequence, logits / (temperature * T_valid).
-    """
-    width, block_size = block_tables.shape[1], k_pool.shape[1]
-    keys = k_pool[block_tables].astype(jnp.float32)  # [B, W, BS, Hkv, D]
-    norm = jnp.sqrt((keys * keys).sum(axis=-1, keepdims=True))
-    keys = (keys / jnp.maximum(norm, 1e-6)).transpose(0, 3, 1, 2, 4)  # [B, Hkv, W, BS, D]
-    valid = _valid(num_blocks, width, block_size)  # [B, 1, W, BS]
-    if cfg.redundancy == "lightning":
-        sim = jnp.einsum("bhwmd,bhwnd->bhwmn", keys, keys, precision=lax.Precision.HIGHEST)
-        local = jnp.arange(block_size)
-        logits = _redundancy_row_sums(sim, local[:, None], local[None, :], cfg.redundancy_threshold)
-        logits = logits / (cfg.redundancy_temperature * block_size)
-    else:
-        logits = _raw_row_sums(keys, valid, cfg.redundancy_threshold)
-        length = (num_blocks * block_size).astype(jnp.float32)[:, None, None, None]
-        logits = logits / (cfg.redundancy_temperature * length)
-    return _masked_softmax(logits, valid)
-
-
-def _redundancy_row_sums(sim, rows, cols, threshold, allowed=None):
-    """Row sums of `sim` [..., m, n] after the diagonal and largest-index zeroing."""
-    sim = jnp.where(rows == cols, 0.0, sim)
-    above = sim > threshold
-    if allowed is not None:
-        above = above & allowed
-    rows = jnp.broadcast_to(rows, sim.shape)
-    last = jnp.where(above, rows, -1).max(axis=-2, keepdims=True)  # per column n
-    return jnp.where(rows == last, 0.0, sim).sum(axis=-1)
-
-
-def _raw_row_sums(keys, valid, threshold):
-    """Whole-sequence row sums, one column block at a time: [B, Hkv, W, BS]."""
-    batch, num_kv_heads, width, block_size, head_dim = keys.shape
-    flat = keys.reshape(batch, num_kv_heads, width * block_size, head_dim)  # [B, Hkv, T, D]
-    flat_valid = valid.reshape(batch, 1, width * block_size)
-    rows = jnp.arange(width * block_size)[:, None]
-
-    def column_block(c):  # [B, Hkv, T] contributions of columns c*BS .. (c+1)*BS-1
-        cols_keys = lax.dynamic_index_in_dim(keys, c, axis=2, keepdims=False)  # [B, Hkv, BS, D]
-        cols_valid = lax.dynamic_index_in_dim(valid, c, axis=2, keepdims=False)  # [B, 1, BS]
-        sim = jnp.einsum("bhmd,bhnd->bhmn", flat, cols_keys, precision=lax.Precision.HIGHEST)
-        pair_valid = flat_valid[..., :, None] & cols_valid[..., None, :]
-        sim = jnp.where(pair_valid, sim, 0.0)
-        cols = c * block_size + jnp.arange(block_size)[None, :]
-        return _redundancy_row_sums(sim, rows, cols, threshold, pair_valid)
-
-    sums = lax.map(column_block, jnp.arange(width)).sum(axis=0)
-    return sums.reshape(batch, num_kv_heads, width, block_size)
 
 
 def evicted_mass(final: jax.Array, attn: jax.Array, num_blocks: jax.Array) -> jax.Array:
@@ -327,27 +233,3 @@ def top_k_keep(final: jax.Array, valid: jax.Array, k: jax.Array, group: jax.Arra
     h = jnp.arange(num_kv_heads)[None, :, None]
     rank = jnp.zeros_like(order).at[b, h, order].set(jnp.arange(order.shape[-1], dtype=order.dtype))
     return (rank < k[:, None, None]).reshape(final.shape) & valid
-
-
-def _slots(width, block_size):  # [W, BS] each slot's index in the table
-    return jnp.arange(width * block_size, dtype=jnp.int32).reshape(width, block_size)
-
-
-def _valid(num_blocks, width, block_size):  # [B, 1, W, BS]
-    w = jnp.arange(width)[None, :, None]
-    valid = jnp.broadcast_to(w < num_blocks[:, None, None], (num_blocks.shape[0], width, block_size))
-    return valid[:, None]
-
-
-def _max_normed(x):
-    """x / its max over each (seq, head) row; all-zero (padding) rows stay 0."""
-    m = x.max(axis=(-2, -1), keepdims=True)
-    return x / jnp.where(m > 0, m, 1.0)
-
-
-def _masked_softmax(logits, valid):
-    """Softmax over each (seq, head) row's valid tokens; 0 elsewhere (all 0 on padding rows)."""
-    m = jnp.where(valid, logits, -jnp.inf).max(axis=(-2, -1), keepdims=True)
-    e = jnp.where(valid, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    total = e.sum(axis=(-2, -1), keepdims=True)
-    return e / jnp.where(total > 0, total, 1.0)

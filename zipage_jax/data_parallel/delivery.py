@@ -34,7 +34,7 @@ class Delivery:
         """The request runs again from its prompt."""
         self._run = [0] * len(self._run)
 
-    def admit(self, index: int, token_ids: Sequence[int]) -> int:
+    def hand_on(self, index: int, token_ids: Sequence[int]) -> int:
         """The current run's next tokens of completion `index`: how many of them, from the first,
         were handed on before (to hold back); the others count as handed on from now.
         Diverged if they depart from what was handed on."""
@@ -53,7 +53,7 @@ class Delivery:
         if self._run[index] < len(self._delivered[index]):
             raise Diverged(f"completion {index} ended before the tokens delivered before its replica was lost")
 
-    def admit_prompt_logprobs(self, first: int, count: int) -> int:
+    def hand_on_prompt_logprobs(self, first: int, count: int) -> int:
         """Log-probabilities of prompt positions [first, first + count) arrived: how many of them,
         from the first, were handed on before (to hold back)."""
         held = max(0, min(count, self._prompt_logprobs - first))

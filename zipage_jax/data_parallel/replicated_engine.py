@@ -506,7 +506,7 @@ class ReplicatedEngine:
                     continue
                 request, index = found
                 try:
-                    held = request.delivery.admit(index, [tokens[i] for i in where])
+                    held = request.delivery.hand_on(index, [tokens[i] for i in where])
                 except Diverged as exc:
                     diverged[request] = str(exc)
                     continue
@@ -533,7 +533,7 @@ class ReplicatedEngine:
             if found is None or found[0] in diverged:
                 continue
             request, index = found
-            held = request.delivery.admit_prompt_logprobs(first, len(logprobs))
+            held = request.delivery.hand_on_prompt_logprobs(first, len(logprobs))
             if held < len(logprobs):
                 result.prompt_logprobs.append((request.seq_ids[index], first + held, logprobs[held:], top_ids[held:],
                                                top_logprobs[held:]))

@@ -54,9 +54,10 @@ class CoreRequest:
 
 
 class Admission:
-    def __init__(self, config: EngineConfig, pool: KVPoolPlan, tokenizer, vocab_size: int,
+    def __init__(self, config: EngineConfig, pool: KVPoolPlan, prompt: PromptCompaction, tokenizer, vocab_size: int,
                  eos_token_ids: tuple[int, ...], sliding_window: int = 0):
-        """sliding_window: the model's largest sliding window in tokens (0: none). Every budget must
+        """prompt: the rule of compaction inside a prompt, the scheduler's (a budget's peak blocks);
+        sliding_window: the model's largest sliding window in tokens (0: none). Every budget must
         hold it, the engine's default budgets included (ValueError here, when the engine starts)."""
         self.config, self.pool, self.tokenizer = config, pool, tokenizer
         self.sliding_window = sliding_window
@@ -70,8 +71,7 @@ class Admission:
         self.model_vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.grammars = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-        self.prompt = PromptCompaction.of(pool.block_size, config.max_num_batched_tokens, config.prompt_window,
-                                          config.row_size)
+        self.prompt = prompt
         self._rng = np.random.default_rng(config.seed)
         self._ids = itertools.count()
 

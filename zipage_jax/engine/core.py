@@ -32,6 +32,7 @@ from zipage_jax.engine.admission import Admission, CoreRequest
 from zipage_jax.engine.block_manager import BlockManager
 from zipage_jax.engine.core_outputs import EngineCoreOutputs
 from zipage_jax.engine.pool_plan import plan_pool
+from zipage_jax.engine.prompt_compaction import PromptCompaction
 from zipage_jax.engine.runner.model_runner import ModelRunner
 from zipage_jax.engine.runner.results import CompactionFailed, RunnerOutput
 from zipage_jax.engine.runner.warmup import Warmup
@@ -91,7 +92,9 @@ class EngineCore:
         self.eos_token_ids = tuple(sorted(set(mc.eos_token_ids or ()) | ({tok_eos} if tok_eos is not None else set())))
         self.special_ids = frozenset(getattr(self.tokenizer, "all_special_ids", ()))
         # before the runner: a default budget smaller than the model's sliding window stops the start here
-        self.admission = Admission(config, pool, self.tokenizer, mc.vocab_size, self.eos_token_ids,
+        prompt = PromptCompaction.of(pool.block_size, config.max_num_batched_tokens, config.prompt_window,
+                                     config.row_size)  # one rule for admission's budgets and the scheduler
+        self.admission = Admission(config, pool, prompt, self.tokenizer, mc.vocab_size, self.eos_token_ids,
                                    sliding_window=max(mc.layer_windows, default=0))
         self.runner = ModelRunner(self.loaded, config, pool, eos_token_ids=self.eos_token_ids)
         self.batch = RunningBatch(config.max_num_seqs, pool.max_blocks_per_seq, self.runner.inputs.suppress_width,
@@ -100,8 +103,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    num_query_slots=pool.num_query_slots, max_compress_seqs=config.max_compress_seqs,
-                                   prefill_row_size=config.row_size, prompt_window=config.prompt_window,
-                                   batch=self.batch)
+                                   prompt=prompt, prefill_row_size=config.row_size, batch=self.batch)
         self.requests: dict[str, CoreRequest] = {}
         self._request_of: dict[int, CoreRequest] = {}  # by seq id, while the request is not finished
         self.stats = EngineStats(num_kv_blocks=pool.num_usable_blocks, num_query_slots=pool.num_query_slots)

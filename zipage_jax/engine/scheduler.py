@@ -165,16 +165,16 @@ class StepBudget:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 num_query_slots: int, max_compress_seqs: int, prefill_row_size: int = 1, prompt_window: int = 0,
+                 num_query_slots: int, max_compress_seqs: int, prompt: PromptCompaction, prefill_row_size: int = 1,
                  batch: RunningBatch | None = None):
-        """batch: the running sequences' rows (default: max_num_seqs rows, tables as wide as the pool)."""
+        """prompt: the rule of compaction inside a prompt, the one admission sizes budgets by;
+        batch: the running sequences' rows (default: max_num_seqs rows, tables as wide as the pool)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_compress_seqs = max_compress_seqs
         self.prefill_row_size = prefill_row_size
-        self.prompt = PromptCompaction.of(block_manager.block_size, max_num_batched_tokens, prompt_window,
-                                          prefill_row_size)
+        self.prompt = prompt
         self.chunk_blocks = self.prompt.chunk_blocks
         self.query_slots = Slots(num_query_slots, "query_slot")
         self.batch = batch or RunningBatch(max_num_seqs, block_manager.num_usable_blocks, 1, ())

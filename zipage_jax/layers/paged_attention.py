@@ -1,6 +1,6 @@
 """The engine's attention: write new K/V (and cached queries) into the pool, then attend over
 each row's pages. Decode rows use the paged decode kernel (Pallas) on GPU; everything else, and
-everything on CPU, uses the XLA loop of `pallas_kernels.xla_attention`, which writes the new
+everything on CPU, uses the XLA loop of `layers.xla_paged_attention`, which writes the new
 K/V inside its loop (see its docstring) and whose cost follows the longest row, not the table
 width.
 
@@ -19,9 +19,9 @@ import jax
 
 from pallas_kernels.kv_pool import KVPool
 from pallas_kernels.paged_attention import paged_decode_attention
-from pallas_kernels.xla_attention import NewKV, paged_attention, scatter_rows, write_kv
 from zipage_jax.backend import Backend
 from zipage_jax.layers.kv_cache import KVState
+from zipage_jax.layers.xla_paged_attention import NewKV, paged_attention, scatter_rows, write_kv
 
 
 class StepInputs(NamedTuple):

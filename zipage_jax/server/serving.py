@@ -98,8 +98,9 @@ class OpenAIServing:
         """The engine's, None while the model loads."""
         return self.client.model_info.max_model_len if self.client.ready.is_set() else None
 
-    def admit(self, body: SamplingFields) -> ModelInfo:
-        """The engine, once the request's model, n and counts are known to be served."""
+    def checked_model_info(self, body: SamplingFields) -> ModelInfo:
+        """The engine's model info, once the request's model, n and counts are known to be served
+        (OpenAIError otherwise)."""
         self.served.check(body.model)
         if body.n is not None and body.n > self.max_n:
             raise OpenAIError(400, f"n must be <= {self.max_n} (this server's --max-n), got {body.n}", param="n")

@@ -19,7 +19,7 @@ _PROMPT_PARAM = {"prompt": "messages"}  # the engine's name of what the request 
 async def create_chat_completion(serving: OpenAIServing, request: Request) -> Response:
     preprocessor = serving.preprocessor
     body = await preprocessor.body(request, ChatCompletionRequest)
-    limit = serving.admit(body).max_model_len
+    limit = serving.checked_model_info(body).max_model_len
     if body.top_logprobs is not None and not body.logprobs:
         raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     with serving.queue.reserve(body.n or 1) as reservation:

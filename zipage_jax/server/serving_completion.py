@@ -19,7 +19,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 async def create_completion(serving: OpenAIServing, request: Request) -> Response:
     preprocessor = serving.preprocessor
     body = await preprocessor.body(request, CompletionRequest)
-    limit = serving.admit(body).max_model_len
+    limit = serving.checked_model_info(body).max_model_len
     if body.max_tokens == 0 and not body.echo:
         raise OpenAIError(400, "max_tokens may be 0 only with echo (the output is then the prompt alone)",
                           param="max_tokens")

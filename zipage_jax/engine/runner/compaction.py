@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zipage_jax.compress.policies import CompressRows, set_compress_rows
+from zipage_jax.compress.policies import CompressRows, set_compress_rows, unfillable_reserve_to_recent
 from zipage_jax.engine.block_manager import DUMMY_BLOCK, CompressionPlan
 from zipage_jax.engine.running_batch import RunningBatch
 
@@ -18,7 +18,7 @@ PER_ROW_HEAD = 3  # per_row's rows before the policy rows: block count, query sl
 
 
 class CompactionTables(NamedTuple):
-    """The arguments of the compaction program after the layer's KV (runner/steps.py compress_layer)."""
+    """The arguments of the compaction program after the layer's KV (runner/steps.py compaction_program)."""
 
     blocks: np.ndarray  # [2, b, w] i32 the blocks read, then the blocks written
     per_row: np.ndarray  # [3 + len(CompressRows), b] i32 block count, query slot, compressed before (0/1), policy rows
@@ -70,6 +70,7 @@ def compaction_tables(batch: RunningBatch, rows: np.ndarray, plans: list[Compres
         recent=batch.budget_recent[rows], score=batch.budget_score[rows], prompt_reserve=batch.budget_reserve[rows],
         prompt_len=batch.num_prompt[rows], position_offset=computed - kv, quote_end=batch.quote_end[rows],
         in_prompt=computed <= prefill)
+    unfillable_reserve_to_recent(t.rows, slice(0, n))
     return t
 
 

@@ -1,4 +1,4 @@
-"""The forward step as programs per stage: embed, a group of layers, the head.
+"""The forward pass as one program per stage: embed, a group of layers, the head.
 
 One step runs the embed program, the layer-group program once per group of layers (every
 group has the same size, so one program serves them all), then the head program (final norm,
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from zipage_jax.backend import Backend
 from zipage_jax.engine.runner.executable_store import ExecutableStore
-from zipage_jax.engine.runner.programs import CompiledSteps, ProgramRecord
+from zipage_jax.engine.runner.programs import CompiledPrograms, ProgramRecord
 from zipage_jax.engine.sharding import TensorParallel
 from zipage_jax.layers.kv_cache import KVState
 from zipage_jax.layers.paged_attention import StepInputs, paged_attention_fn
@@ -83,7 +83,7 @@ def _replicate(x: jax.Array, replicated) -> jax.Array:
 
 class StagedForward:
     """Programs keyed like one program ("decode rows", r) / ("prefill rows", r): `get` builds the
-    three stages and returns the step, run(state, inputs, sampling, prompt_targets) ->
+    three stages and returns the forward program, run(state, inputs, sampling, prompt_targets) ->
     (state, SamplerOutput, PromptLogprobs)."""
 
     name = "forward"
@@ -93,18 +93,18 @@ class StagedForward:
         self.params, self.replicated, self.hidden_dtype = params, replicated, hidden_dtype
         self.group_size = len(params.groups[0])
         pin = None if tp is None else replicated
-        self.embed = CompiledSteps("embed", _embed, store, stages=stages, replicated=pin)
-        self.layers = CompiledSteps("layers", _layers, store, stages=stages, backend=backend, tp=tp, replicated=pin)
-        self.head = CompiledSteps("head", _head, store, stages=stages)
+        self.embed = CompiledPrograms("embed", _embed, store, stages=stages, replicated=pin)
+        self.layers = CompiledPrograms("layers", _layers, store, stages=stages, backend=backend, tp=tp, replicated=pin)
+        self.head = CompiledPrograms("head", _head, store, stages=stages)
         self.hidden_size = stages.cfg.hidden_size
-        self.executables: dict[tuple, object] = {}  # key -> the step, once its three programs are built
+        self.executables: dict[tuple, object] = {}  # key -> the forward program, once its three are built
         self._lock = threading.Lock()
         self._building: set[tuple] = set()
 
     @property
     def records(self) -> dict[tuple, ProgramRecord]:
-        return {(steps.name, *key): r for steps in (self.embed, self.layers, self.head)
-                for key, r in list(steps.records.items())}
+        return {(programs.name, *key): r for programs in (self.embed, self.layers, self.head)
+                for key, r in list(programs.records.items())}
 
     @property
     def num_built(self) -> int:
@@ -117,10 +117,10 @@ class StagedForward:
         return self.get(key, *args)(*args)
 
     def get(self, key: tuple, state, inputs: StepInputs, sampling: SamplingBatch, prompt_targets):
-        """The step for `key`, its programs built from these arguments (arrays or ShapeDtypeStructs)."""
-        step = self.executables.get(key)
-        if step is not None:
-            return step
+        """The forward program for `key`, its three built from these arguments (arrays or ShapeDtypeStructs)."""
+        forward = self.executables.get(key)
+        if forward is not None:
+            return forward
         rows, chunk = inputs.tokens.shape
         x = jax.ShapeDtypeStruct((rows, chunk, self.hidden_size), self.hidden_dtype, sharding=self.replicated)
         g = self.group_size
@@ -130,7 +130,7 @@ class StagedForward:
         layers = self.layers.get(key, p.groups[0], x, group_kv, inputs)
         head = self.head.get(key, p.head, x, state.sampler, sampling, prompt_targets, inputs.last_index)
 
-        def step(state, inputs: StepInputs, sampling: SamplingBatch, prompt_targets):
+        def forward(state, inputs: StepInputs, sampling: SamplingBatch, prompt_targets):
             x, sampler, inputs, sampling = embed(p.embed, state.sampler, inputs, sampling)
             pools, queries = list(state.kv.pools), list(state.kv.queries)
             for i, group in enumerate(p.groups):
@@ -140,11 +140,11 @@ class StagedForward:
             sampler, out, prompt = head(p.head, x, sampler, sampling, prompt_targets, inputs.last_index)
             return state._replace(kv=KVState(tuple(pools), tuple(queries)), sampler=sampler), out, prompt
 
-        self.executables[key] = step
-        return step
+        self.executables[key] = forward
+        return forward
 
     def prefetch(self, key: tuple, *args) -> None:
-        """Builds the step for `key` on a thread of its own unless it is ready or being built. Not a
+        """Builds the forward program for `key` on a thread of its own unless it is ready or being built. Not a
         daemon, even when started from one: the interpreter waits for the build before it shuts the
         runtime down."""
         with self._lock:
@@ -156,7 +156,7 @@ class StagedForward:
             try:
                 self.get(key, *args)
             except Exception:  # noqa: BLE001 - the step that needs it builds it again and raises
-                logger.exception("building the forward step %s ahead failed", key)
+                logger.exception("building the forward program %s ahead failed", key)
             finally:
                 with self._lock:
                     self._building.discard(key)

@@ -25,7 +25,7 @@ from zipage_jax.engine.pool_plan import KVPoolPlan
 from zipage_jax.engine.runner.compaction import padding_tables
 from zipage_jax.engine.runner.forward import StagedForward
 from zipage_jax.engine.runner.inputs import InputLayout
-from zipage_jax.engine.runner.programs import CompiledSteps, ProgramRecord
+from zipage_jax.engine.runner.programs import CompiledPrograms, ProgramRecord
 from zipage_jax.engine.runner.steps import DeviceState
 from zipage_jax.layers.kv_cache import KVState
 
@@ -56,10 +56,10 @@ class GridProgram:
 
 
 class ProgramGrid:
-    """The forward steps, the compaction and the history seeding, each built once per bucket from
+    """The forward programs, the compaction and the history seeding, each built once per bucket from
     the device state's shapes (`abstract_state`), not its buffers."""
 
-    def __init__(self, forward: StagedForward, compressor: CompiledSteps, seeder: CompiledSteps, *,
+    def __init__(self, forward: StagedForward, compressor: CompiledPrograms, seeder: CompiledPrograms, *,
                  config: EngineConfig, pool: KVPoolPlan, layout: InputLayout, abstract_state: DeviceState):
         self.forward, self.compressor, self.seeder = forward, compressor, seeder
         self.config, self.pool, self.layout = config, pool, layout
@@ -69,13 +69,13 @@ class ProgramGrid:
     @property
     def records(self) -> list[ProgramRecord]:
         """How every ready program was built (compiled or loaded), with its seconds per stage."""
-        return [r for steps in self._programs for r in list(steps.records.values())]
+        return [r for programs in self._programs for r in list(programs.records.values())]
 
     @property
     def num_compiles(self) -> int:
-        """Programs built: compiled here or loaded from the executable store (a forward step's
+        """Programs built: compiled here or loaded from the executable store (a forward program's
         stages count one each)."""
-        return sum(steps.num_built for steps in self._programs)  # every step reads it: no list built
+        return sum(programs.num_built for programs in self._programs)  # every step reads it: no list built
 
     @property
     def compile_seconds(self) -> float:
@@ -94,7 +94,7 @@ class ProgramGrid:
         return _ready_key(self.seeder, ("tokens", bucket(num_tokens, MIN_HISTORY)))
 
     def prefetch_decode(self, num_rows: int) -> None:
-        """Builds the decode step for `num_rows` rows on a thread of its own unless one is ready."""
+        """Builds the decode program for `num_rows` rows on a thread of its own unless one is ready."""
         r = bucket(num_rows)
         if not self.forward.ready(_ready_key(self.forward, ("decode rows", r))):
             self.forward.prefetch(*self._forward_shapes(r, 1))
@@ -142,11 +142,11 @@ class ProgramGrid:
         self.seeder.get(("tokens", n), self.abstract_state, one, np.zeros((1, n), np.int32), one)
 
 
-def _ready_key(steps: CompiledSteps | StagedForward, key: tuple) -> tuple:
+def _ready_key(programs: CompiledPrograms | StagedForward, key: tuple) -> tuple:
     """`key`, or while the warm-up still compiles it, the smallest ready program of the same
     kind that every dimension of `key` fits in (its rows are padding)."""
-    if steps.ready(key):
+    if programs.ready(key):
         return key
-    fits = [k for k in list(steps.executables) if k[0::2] == key[0::2]
+    fits = [k for k in list(programs.executables) if k[0::2] == key[0::2]
             and all(have >= need for have, need in zip(k[1::2], key[1::2]))]
     return min(fits, key=lambda k: math.prod(k[1::2])) if fits else key

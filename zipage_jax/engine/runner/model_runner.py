@@ -1,4 +1,4 @@
-"""The one door to the device: the donated device state, dispatch of the compiled steps, and
+"""The one door to the device: the donated device state, dispatch of the compiled programs, and
 fetching what they computed.
 
 Per engine step (`execute`): (1) one compaction of the sequences that reached their budget, (2)
@@ -7,7 +7,7 @@ dispatched without waiting and donates the state it updates; the runner keeps th
 steps' handles and reads their tokens a step later, so the engine schedules and dispatches step
 N+1 while the device runs step N.
 
-A forward step is three programs (embed, a group of layers called once per group, head:
+A forward program is three programs (embed, a group of layers called once per group, head:
 forward.py) and a compaction one program called per layer, so compile time does not grow with
 depth. Which programs exist and which one a step runs in: grid.py; its inputs: inputs.py and
 compaction.py.
@@ -40,7 +40,7 @@ from zipage_jax.engine.runner.executable_store import engine_store
 from zipage_jax.engine.runner.forward import StagedForward, layers_per_group
 from zipage_jax.engine.runner.grid import GridProgram, ProgramGrid
 from zipage_jax.engine.runner.inputs import ChunkRows, InputLayout
-from zipage_jax.engine.runner.programs import CompiledSteps, ProgramRecord
+from zipage_jax.engine.runner.programs import CompiledPrograms, ProgramRecord
 from zipage_jax.engine.runner.results import (
     CompactionFailed,
     FetchedStep,
@@ -51,7 +51,7 @@ from zipage_jax.engine.runner.results import (
 )
 from zipage_jax.engine.runner.sampling_batch import SamplingRow
 from zipage_jax.engine.runner.step_relay import LeaderRelay
-from zipage_jax.engine.runner.steps import DeviceState, compress_layer, seed_history
+from zipage_jax.engine.runner.steps import DeviceState, compaction_program, seed_history
 from zipage_jax.engine.running_batch import RunningBatch
 from zipage_jax.engine.scheduler import Chunk, SchedulerOutput
 from zipage_jax.engine.sequence import Sequence
@@ -88,7 +88,7 @@ class ModelRunner:
         if self.tp is not None:
             graphdef, params = nnx.split(model)
             model = nnx.merge(graphdef, self.tp.place_params(params))
-        self.params = nnx.state(model)  # as an nnx.State (the compiled steps take them per stage)
+        self.params = nnx.state(model)  # as an nnx.State (the compiled programs take them per stage)
         self.stages, stage_params = stages(model, layers_per_group(mc.num_layers, mc.layer_windows))
         self.row_size = config.row_size
         backend = Backend.resolve(config.attention_backend, jax.default_backend())
@@ -109,9 +109,9 @@ class ModelRunner:
         self.forward = StagedForward(self.stages, stage_params, store, backend=backend, tp=self.tp,
                                      replicated=self._replicated(), hidden_dtype=loaded.model.dtype)
         rope = tuple(float(f) for f in inv_frequencies(mc.head_dim, mc.rope_theta, mc.rope_scaling))
-        self.compressor = CompiledSteps("compression", compress_layer, store, cfg=config.compression, backend=backend,
-                                        tp=self.tp, rope=rope)
-        self.seeder = CompiledSteps("history", seed_history, store)
+        self.compressor = CompiledPrograms("compression", compaction_program, store, cfg=config.compression,
+                                           backend=backend, tp=self.tp, rope=rope)
+        self.seeder = CompiledPrograms("history", seed_history, store)
         self.grid = ProgramGrid(self.forward, self.compressor, self.seeder, config=config, pool=pool,
                                 layout=self.inputs, abstract_state=self.abstract_state)
         self.running = running
@@ -127,8 +127,8 @@ class ModelRunner:
     # -- the device state -----------------------------------------------------------------
 
     def _fresh_state(self) -> DeviceState:
-        """An empty KV pool and sampler state, placed as every compiled step expects them."""
-        if self.tp is None:  # host zeros copied in: no program compiled (committed to the device, as steps expect)
+        """An empty KV pool and sampler state, placed as every compiled program expects them."""
+        if self.tp is None:  # host zeros copied in: no program compiled (committed to the device, as programs expect)
             return jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), self.abstract_state)
         return DeviceState(self.tp.make_kv(self._make_kv), self.tp.replicate(self._make_sampler()))
 
@@ -149,7 +149,7 @@ class ModelRunner:
         return self.tp.replicated_shardings(0)
 
     def _abstract_state(self) -> DeviceState:
-        """The device state's shapes, dtypes and placement (what compiling a step needs of it)."""
+        """The device state's shapes, dtypes and placement (what compiling a program needs of it)."""
         shapes = jax.eval_shape(lambda: DeviceState(self._make_kv(), self._make_sampler()))
         if self.tp is None:
             shardings = jax.tree.map(lambda _: self._replicated(), shapes)
@@ -176,7 +176,7 @@ class ModelRunner:
 
     @property
     def num_compiles(self) -> int:
-        """Programs built: compiled here or loaded from the executable store (a forward step's
+        """Programs built: compiled here or loaded from the executable store (a forward program's
         stages count one each)."""
         return self.grid.num_compiles
 
@@ -356,7 +356,7 @@ class ModelRunner:
 
     def run_forward(self, key: tuple, inputs: StepInputs, sampling: SamplingBatch, prompt_targets: np.ndarray
                     ) -> tuple[SamplerOutput, PromptLogprobs]:
-        """The forward step `key` over host inputs; its sampled tokens and prompt log-probabilities
+        """The forward program `key` over host inputs; its sampled tokens and prompt log-probabilities
         (device arrays, still being computed)."""
         args = (inputs, sampling, prompt_targets)
         # the programs first: they load or compile while the device state may still be zeroed
@@ -366,7 +366,7 @@ class ModelRunner:
         return outputs, prompt
 
     def prefetch_decode(self, num_rows: int) -> None:
-        """Builds the decode step for `num_rows` rows on a thread of its own unless one is ready."""
+        """Builds the decode program for `num_rows` rows on a thread of its own unless one is ready."""
         self._relay("prefetch_decode", num_rows)
         self.grid.prefetch_decode(num_rows)
 

@@ -1,7 +1,7 @@
 """Ahead-of-time compiled programs of one jitted function, keyed by their shape bucket.
 
 A program is loaded from the executable store when it holds it, else traced, lowered and
-compiled (each stage timed) and stored. Several threads may ask for programs at once (the
+compiled (each phase timed) and stored. Several threads may ask for programs at once (the
 background warm-up and the engine): each program is built once, the others wait for it.
 """
 
@@ -35,7 +35,7 @@ class ProgramRecord:
         return self.trace_seconds + self.lower_seconds + self.compile_seconds + self.load_seconds
 
 
-class CompiledSteps:
+class CompiledPrograms:
     def __init__(self, name: str, fn, store: ExecutableStore | None = None, **static):
         self.name, self.fn, self.store, self.static = name, fn, store, static
         self.executables: dict[tuple, object] = {}
@@ -89,7 +89,7 @@ class CompiledSteps:
         exe = self.store.load(self.name, key) if self.store is not None else None
         if exe is not None:
             record = ProgramRecord(self.name, key, "loaded", load_seconds=time.perf_counter() - start)
-            logger.debug("loaded the %s step for %s in %.2f s", self.name, describe(key), record.load_seconds)
+            logger.debug("loaded the %s program for %s in %.2f s", self.name, describe(key), record.load_seconds)
             return exe, record
         t0 = time.perf_counter()
         traced = self.fn.trace(*args, **self.static)
@@ -99,7 +99,7 @@ class CompiledSteps:
         exe = lowered.compile()
         t3 = time.perf_counter()
         record = ProgramRecord(self.name, key, "compiled", t1 - t0, t2 - t1, t3 - t2)
-        logger.info("compiled the %s step for %s in %.1f s", self.name, describe(key), record.seconds)
+        logger.info("compiled the %s program for %s in %.1f s", self.name, describe(key), record.seconds)
         if self.store is not None:
             self.store.save(self.name, key, exe)
         return exe, record

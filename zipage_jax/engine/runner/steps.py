@@ -24,7 +24,7 @@ class DeviceState(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "tp", "rope"), donate_argnames=("kv",))
-def compress_layer(kv: KVState, blocks: jax.Array, per_row: jax.Array, window: jax.Array, *, cfg: CompressionConfig,
+def compaction_program(kv: KVState, blocks: jax.Array, per_row: jax.Array, window: jax.Array, *, cfg: CompressionConfig,
                    backend: Backend, tp: TensorParallel | None, rope: tuple[float, ...]) -> tuple[KVState, jax.Array]:
     """One compaction step of one layer (`kv` holds that layer only): the runner calls the same
     program for every layer, so its compile time does not grow with depth. The tables come

@@ -1,35 +1,40 @@
 """What the reasoning parsers share: a completion's text split into the reasoning (between
-<think> and </think>) and the content (the rest), as it arrives, with the tags dropped.
+the parser's start and end tags, the registry's table gives each parser its own: <think> and
+</think> below) and the content (the rest), as it arrives, with the tags dropped.
 
-The reasoning is kept as written; the blanks between </think> and the content (Qwen3 writes
+The reasoning is kept as written; the blanks between the end tag and the content (Qwen3 writes
 "</think>\n\n") are dropped, as the chat templates drop them from earlier turns.
 
 A parser is made per request from the end of its prompt: a chat template may open the think
 block itself (the prompt ends with <think>: the output starts in the reasoning) or close it
 (it ends with </think>, as Qwen3's with enable_thinking off: the output is all content);
 otherwise the output's start decides, as the parser says. A tail of the reasoning that may start
-</think> (or a start that may become <think>) waits for the next text, so no part of a tag is
-ever sent; an output that ends inside the reasoning is all reasoning. Non-streaming extraction
-is the same stream fed the whole text at once.
+the end tag (or a start that may become the start tag) waits for the next text, so no part of a
+tag is ever sent; an output that ends inside the reasoning is all reasoning. Non-streaming
+extraction is the same stream fed the whole text at once.
 
-Reasoning tokens are counted from token ids when the tokenizer has </think> as one token
+Reasoning tokens are counted from token ids when the tokenizer has the end tag as one token
 (Qwen3, DeepSeek-R1): the tokens up to and including the first one of it; otherwise from the
-text: the fewest leading tokens whose decoded text holds </think>. An unclosed reasoning counts
-every generated token.
+text: the fewest leading tokens whose decoded text holds the end tag. An unclosed reasoning
+counts every generated token.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import llguidance
 
 from zipage_jax.server.partial_markers import held_prefix
 
-START, END = "<think>", "</think>"
 _PROMPT_TAIL_TOKENS = 32  # enough for a template's "<think>\n\n</think>\n\n" in byte-sized tokens
+
+
+class ReasoningTags(NamedTuple):
+    start: str  # opens the reasoning, e.g. <think>
+    end: str  # closes it, e.g. </think>
 
 
 @dataclass
@@ -47,7 +52,8 @@ class ReasoningParser:
     """One request's reasoning format."""
 
     name: ClassVar[str]  # the --reasoning-parser value
-    # an output that does not start with <think> is reasoning (DeepSeek-R1: the template opened
+    tags: ClassVar[ReasoningTags]  # set by `tagged`, from the registry's table
+    # an output that does not start with the start tag is reasoning (DeepSeek-R1: the template opened
     # the block) rather than content (Qwen3)
     reasons_without_start_tag: ClassVar[bool]
 
@@ -56,10 +62,17 @@ class ReasoningParser:
         self.prompt_opened = prompt_opened
 
     @classmethod
+    def tagged(cls, tags: ReasoningTags) -> type[ReasoningParser]:
+        """This format with its reasoning between `tags`; ValueError for an empty tag."""
+        if not tags.start or not tags.end:
+            raise ValueError(f"reasoning tags must not be empty, got {tags}")
+        return type(cls.__name__, (cls,), {"tags": tags})
+
+    @classmethod
     def for_prompt(cls, prompt_token_ids: list[int], tokenizer: Any) -> ReasoningParser:
         """The parser of a request whose prompt (a rendered chat) is `prompt_token_ids`."""
         tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:]).rstrip()
-        return cls(True if tail.endswith(START) else False if tail.endswith(END) else None)
+        return cls(True if tail.endswith(cls.tags.start) else False if tail.endswith(cls.tags.end) else None)
 
     def stream(self) -> ReasoningStream:
         """A new completion's splitting state."""
@@ -81,11 +94,11 @@ class ReasoningParser:
         lines = [f"answer: {answer}", r"BLANKS: /\s{0,4}/"]
         if self.prompt_opened is False:
             return "\n".join(["start: answer", *lines])
-        ends = f"(.|\\n)*{_lark_regex(END)}"
+        ends = f"(.|\\n)*{_lark_regex(self.tags.end)}"
         if self.prompt_opened or self.reasons_without_start_tag:
             return "\n".join(["start: reasoning BLANKS answer", f"reasoning[lazy]: /{ends}/", *lines])
-        return "\n".join(["start: (reasoning BLANKS)? answer", f"reasoning[lazy]: /\\s*{_lark_regex(START)}{ends}/",
-                          *lines])
+        starts = f"\\s*{_lark_regex(self.tags.start)}"
+        return "\n".join(["start: (reasoning BLANKS)? answer", f"reasoning[lazy]: /{starts}{ends}/", *lines])
 
     def reasoning_tokens(self, token_ids: list[int], ended: bool | None, tokenizer: Any) -> int:
         """How many of a completion's `token_ids` are its reasoning, tags included; `ended`: its
@@ -94,13 +107,14 @@ class ReasoningParser:
             return 0
         if not ended:
             return len(token_ids)
-        end_id = tokenizer.convert_tokens_to_ids(END)
-        if isinstance(end_id, int) and tokenizer.decode([end_id]) == END and end_id in token_ids:
+        end = self.tags.end
+        end_id = tokenizer.convert_tokens_to_ids(end)
+        if isinstance(end_id, int) and tokenizer.decode([end_id]) == end and end_id in token_ids:
             return token_ids.index(end_id) + 1
-        low, high = 1, len(token_ids)  # the fewest leading tokens whose text holds END
+        low, high = 1, len(token_ids)  # the fewest leading tokens whose text holds the end tag
         while low < high:
             middle = (low + high) // 2
-            if END in tokenizer.decode(token_ids[:middle]):
+            if end in tokenizer.decode(token_ids[:middle]):
                 high = middle
             else:
                 low = middle + 1
@@ -114,7 +128,7 @@ class ReasoningStream:
         self._parser = parser
         self._state = {None: "start", True: "reasoning", False: "content"}[parser.prompt_opened]
         self._buffer = ""  # text not reported yet
-        self._after_reasoning = False  # blanks here follow </think> and are dropped
+        self._after_reasoning = False  # blanks here follow the end tag and are dropped
         self._pending = ReasoningDelta()
         self.ended: bool | None = False if parser.prompt_opened else None  # None: no reasoning; True: closed
 
@@ -129,6 +143,7 @@ class ReasoningStream:
         return self._take()
 
     def _consume(self, text: str, final: bool) -> None:
+        start, end = self._parser.tags
         self._buffer += text
         while True:
             if self._state == "content":
@@ -140,23 +155,23 @@ class ReasoningStream:
                 return
             if self._state == "start":
                 rest = self._buffer.lstrip()
-                if rest.startswith(START):
-                    self._buffer = rest[len(START):]
+                if rest.startswith(start):
+                    self._buffer = rest[len(start):]
                     self._start_reasoning()
-                elif START.startswith(rest) and not final:  # empty, or the tag's beginning
+                elif start.startswith(rest) and not final:  # empty, or the tag's beginning
                     return
                 elif self._parser.reasons_without_start_tag:
                     self._start_reasoning()
                 else:
                     self._state = "content"
                 continue
-            at = self._buffer.find(END)
+            at = self._buffer.find(end)
             if at >= 0:
                 self._pending.reasoning += self._buffer[:at]
-                self._buffer = self._buffer[at + len(END):]
+                self._buffer = self._buffer[at + len(end):]
                 self._state, self.ended, self._after_reasoning = "content", True, True
                 continue
-            keep = 0 if final else held_prefix(self._buffer, END)
+            keep = 0 if final else held_prefix(self._buffer, end)
             self._pending.reasoning += self._buffer[:len(self._buffer) - keep]
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import kv_quant
-from pallas_kernels.kv_pool import KVPool
+from pallas_kernels.kv_pool import KVPool, check_paged_inputs
 
 _LOGITS_PER_STEP = 1 << 22  # float32 logits per loop step (16 MiB)
 _STEP_TOKENS_ONE_ROW, _STEP_TOKENS = 256, 128  # keys per loop step, powers of two
@@ -51,26 +51,6 @@ class NewKV(NamedTuple):
     slots: jax.Array  # [B, C] int32 flat pool slot (page * P + offset); padding: the dummy page
     k: jax.Array  # [B, C, Hkv, D]
     v: jax.Array  # [B, C, Hkv, D]
-
-
-def check_paged_inputs(q_heads: int, head_dim: int, k_pool: jax.Array, v_pool: jax.Array,
-                       block_tables: jax.Array, batch: int) -> None:
-    """ValueError unless the pool, the block tables and the query heads fit together."""
-    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError(f"k_pool and v_pool must both be [num_blocks, BS, Hkv, D], "
-                         f"got {k_pool.shape} and {v_pool.shape}")
-    if k_pool.dtype != v_pool.dtype:
-        raise ValueError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")
-    _, _, num_kv_heads, stored_dim = k_pool.shape
-    if stored_dim != kv_quant.pool_dim(head_dim, k_pool.dtype):
-        raise ValueError(f"q head_dim {head_dim} does not fit a {k_pool.dtype} pool of last axis {stored_dim} "
-                         f"(expected {kv_quant.pool_dim(head_dim, k_pool.dtype)})")
-    if q_heads % num_kv_heads:
-        raise ValueError(f"query heads {q_heads} are not a multiple of kv heads {num_kv_heads}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [B={batch}, W], got {block_tables.shape}")
-    if block_tables.dtype != jnp.int32:
-        raise ValueError(f"block_tables must be int32, got {block_tables.dtype}")
 
 
 def tokens_per_step(batch: int, chunk: int, q_heads: int, page: int) -> int:
@@ -213,3 +193,18 @@ def paged_attention(q: jax.Array, pools: KVPool, block_tables: jax.Array, kv_len
 def write_kv(pools: KVPool, new_kv: NewKV) -> KVPool:
     """This step's K/V into the pools (quantized when they are), for paths that read them later."""
     return _write(pools, new_kv)
+
+
+@functools.partial(jax.jit, static_argnames=["scale", "window"])
+def paged_decode_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                                     block_tables: jax.Array, context_lens: jax.Array, *,
+                                     scale: float | None = None, window: int = 0) -> jax.Array:
+    """Plain-XLA decode attention, same contract as the Pallas kernel
+    `pallas_kernels.paged_attention.paged_decode_attention`."""
+    if q.ndim != 3 or context_lens.ndim != 1:
+        raise ValueError(f"q must be [B, Hq, D] and context_lens [B], "
+                         f"got {q.shape} and {context_lens.shape}")
+    out, _ = paged_attention(q[:, None], KVPool(k_pool, v_pool), block_tables, context_lens[:, None], scale=scale,
+                             window=window)
+    return out[:, 0]
+
