@@ -9,6 +9,7 @@ import pytest
 from output_parsing import WEATHER_PARAMS, accepts, splits, tiny_grammar_compiler
 from tiny_models import build_tokenizer
 
+from zipage_jax.server.errors import OpenAIError
 from zipage_jax.server.protocol import JsonSchemaFormat, ResponseFormat, StructuredOutputs, Tool
 from zipage_jax.server.reasoning_parsers import REASONING_PARSERS, ReasoningTags, get_reasoning_parser
 from zipage_jax.server.reasoning_parsers.qwen3 import Qwen3ReasoningParser
@@ -16,7 +17,13 @@ from zipage_jax.server.structured import grammar
 from zipage_jax.server.tool_parsers import get_tool_parser
 
 R1, QWEN3 = get_reasoning_parser("deepseek_r1"), get_reasoning_parser("qwen3")
-# (prompt_opened, output, reasoning, content)
+GPTOSS = get_reasoning_parser("openai_gptoss")
+ASSISTANT = "<|start|>assistant"  # the end of a harmony prompt: gpt-oss's template opens its message
+THINKS = "<|channel|>analysis<|message|>Think: 2 + 2.<|end|>"
+ANSWERS = "<|start|>assistant<|channel|>final<|message|>It is 4."
+CALLS = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+         '{"city": "Paris"}<|call|>')
+# (prompt_opened, output, reasoning, content); harmony's: (the prompt from its last <|start|> on, ...)
 CASES = {
     R1: [
         (None, "Okay, 2 + 2.</think>\n\nIt is 4.", "Okay, 2 + 2.", "It is 4."),
@@ -45,9 +52,26 @@ CASES = {
         (True, "opened by the template</think>\n\nok", "opened by the template", "ok"),
         (False, "<think>x</think>y", None, "<think>x</think>y"),
     ],
+    GPTOSS: [
+        (ASSISTANT, THINKS + ANSWERS + "<|return|>", "Think: 2 + 2.", "It is 4."),
+        (ASSISTANT, THINKS + ANSWERS, "Think: 2 + 2.", "It is 4."),  # <|return|> dropped as a stop token
+        (ASSISTANT, "<|channel|>analysis<|message|>cut off by max_tokens", "cut off by max_tokens", None),
+        (ASSISTANT, "<|channel|>final<|message|>No thinking.<|return|>", None, "No thinking."),
+        (ASSISTANT, THINKS + CALLS, "Think: 2 + 2.", CALLS),  # a tool call, as written
+        (ASSISTANT, "<|channel|>commentary<|message|>Checking. <|end|>" + ANSWERS, None, "Checking. It is 4."),
+        (ASSISTANT, "<|channel|>analysis<|message|>a <|chan b <| c<|end|>", "a <|chan b <| c", None),
+        (ASSISTANT, "<|channel|>analysis<|message|>a<|start|>assistant<|channel|>final<|message|>b", "a", "b"),
+        (ASSISTANT, "<|channel|>analysis<|mess", None, "<|channel|>analysis<|mess"),  # an unfinished header
+        (ASSISTANT, "not harmony", None, "not harmony"),
+        (ASSISTANT, "", None, None),
+        ("", "text " + THINKS + "<|start|>x", "Think: 2 + 2.", "text <|start|>x"),  # the prompt opened no message
+        (ASSISTANT + "<|channel|>analysis<|message|>", "opened by the prompt<|end|>" + ANSWERS,
+         "opened by the prompt", "It is 4."),
+    ],
 }
 ALL_CASES = [(parser, *case) for parser, cases in CASES.items() for case in cases]
-TAGS = ("<think>", "</think>")
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>")
+TAGS = {R1: ("<think>", "</think>"), QWEN3: ("<think>", "</think>"), GPTOSS: HARMONY_MARKERS}
 
 
 def case_id(case) -> str:
@@ -64,16 +88,17 @@ def test_whole_and_streamed_outputs(parser, opened, text, reasoning, content):
         assert got == (reasoning, content), pieces
         for delta in deltas:
             for part, whole in ((delta.reasoning, reasoning), (delta.content, content)):
-                for tag in TAGS:
+                for tag in TAGS[parser]:
                     for length in range(2, len(tag) + 1):
                         assert tag[:length] not in part or tag[:length] in (whole or ""), (pieces, delta)
 
 
 @pytest.mark.parametrize("parser, text, ended", [
     (R1, "a</think>b", True), (R1, "a", False), (R1, "", False), (QWEN3, "<think>a</think>b", True),
-    (QWEN3, "<think>a", False), (QWEN3, "a", None)])
+    (QWEN3, "<think>a", False), (QWEN3, "a", None), (GPTOSS, THINKS + ANSWERS, True),
+    (GPTOSS, "<|channel|>analysis<|message|>a", False), (GPTOSS, "<|channel|>final<|message|>a", None)])
 def test_a_streams_end_state(parser, text, ended):
-    stream = parser().stream()
+    stream = (parser(ASSISTANT) if parser is GPTOSS else parser()).stream()
     stream.feed(text)
     stream.finish()
     assert stream.ended is ended
@@ -104,7 +129,7 @@ def test_reasoning_tokens_counted_from_the_text_when_the_tags_are_several_tokens
 
 def test_reasoning_tokens_counted_from_ids_when_the_tags_are_single_tokens():
     tokenizer = build_tokenizer(320)
-    tokenizer.add_tokens(list(TAGS))
+    tokenizer.add_tokens(list(TAGS[QWEN3]))
     end = tokenizer.convert_tokens_to_ids("</think>")
     ids = tokenizer("<think>ab cd</think>\n\nok", add_special_tokens=False)["input_ids"]
     assert end in ids
@@ -112,8 +137,9 @@ def test_reasoning_tokens_counted_from_ids_when_the_tags_are_single_tokens():
 
 
 def test_the_registry():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
-    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'; choose from deepseek_r1, qwen3"):
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "openai_gptoss"}
+    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'; choose from deepseek_r1, qwen3, "
+                                         "openai_gptoss"):
         get_reasoning_parser("nope")
 
 
@@ -194,3 +220,31 @@ def test_a_strict_tool_call_applies_after_the_reasoning(compiler):
     assert accepts(compiler, qwen3, "<think>a</think>\n\n" + call)
     assert accepts(compiler, qwen3, "no thinking, just text " + call)
     assert not accepts(compiler, qwen3, "<think>a</think>\n\n" + call.replace("Oslo", "Rome"))
+
+
+# --- harmony (gpt-oss)
+@pytest.mark.parametrize("tail, output, reasoning", [
+    ("<|start|>user<|message|>Hi<|end|><|start|>assistant", "<|channel|>analysis<|message|>a<|end|>", "a"),
+    ("<|start|>user<|message|>Hi<|end|>", "<|channel|>analysis<|message|>a<|end|>", "a"),
+    ("<|start|>assistant<|channel|>final<|message|>", "a<|end|>", None)])
+def test_a_harmony_prompt_decides_where_the_output_starts(tail, output, reasoning):
+    tokenizer = build_tokenizer(320)  # harmony's markers in byte-sized tokens: decoded all the same
+    parser = GPTOSS.for_prompt(tokenizer("<|start|>system<|message|>Be brief.<|end|>" + tail)["input_ids"], tokenizer)
+    assert parser.extract(output)[0] == reasoning
+
+
+def test_harmony_reasoning_tokens_run_through_the_first_end_marker():
+    tokenizer = build_tokenizer(320)
+    ids = tokenizer(THINKS + ANSWERS, add_special_tokens=False)["input_ids"]
+    through_end = len(tokenizer(THINKS, add_special_tokens=False)["input_ids"])
+    stream = GPTOSS(ASSISTANT).stream()
+    stream.feed(THINKS + ANSWERS)
+    stream.finish()
+    assert 0 < GPTOSS().reasoning_tokens(ids, stream.ended, tokenizer) == through_end < len(ids)
+
+
+def test_harmony_asks_for_its_special_tokens_and_refuses_structured_outputs():
+    assert GPTOSS.needs_special_tokens and not QWEN3.needs_special_tokens
+    with pytest.raises(OpenAIError, match="openai_gptoss .the harmony format. cannot be combined"):
+        grammar(JSON_FORMAT, None, reasoning=GPTOSS(ASSISTANT))
+    assert grammar(JSON_FORMAT, None, reasoning=QWEN3()) is not None  # the same request with <think> reasoning

@@ -224,7 +224,8 @@ def test_the_serve_flags():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (one of: hermes, llama3_json)"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (one of: hermes, llama3_json, "
+                                      "openai, pythonic)"),
     (["--tool-call-parser", "nope"], "invalid choice: 'nope'"),
     (["--reasoning-parser", "nope"], "invalid choice: 'nope'")])
 def test_serve_refuses_bad_parser_flags_at_startup(capsys, argv, message):

@@ -13,7 +13,9 @@ import pytest
 from output_parsing import WEATHER_PARAMS, accepts, call_schema, random_output, splits, tiny_grammar_compiler
 
 from zipage_jax.engine.grammar import JSON_OPTIONS
-from zipage_jax.server.structured import JSON_LAYOUT
+from zipage_jax.server.errors import OpenAIError
+from zipage_jax.server.protocol import Tool
+from zipage_jax.server.structured import JSON_LAYOUT, grammar
 from zipage_jax.server.tool_parsers import TOOL_PARSERS, ToolCallPiece, get_tool_parser, whole_calls
 
 HERMES = get_tool_parser("hermes")()
@@ -84,9 +86,54 @@ LLAMA_CASES = [
     ("<|python_tag|> print(1)", "<|python_tag|> print(1)", []),
     ("", None, []),
 ]
-MARKERS = {"hermes": ["<tool_call>", "</tool_call>"], "llama3_json": ["<|python_tag|>"]}
-BOTH = pytest.mark.parametrize("parser, cases", [(HERMES, HERMES_CASES), (LLAMA, LLAMA_CASES)],
-                               ids=["hermes", "llama3_json"])
+OPENAI = get_tool_parser("openai")()
+CALL_HEADER = "<|start|>assistant<|channel|>commentary to=functions.{} <|constrain|>json<|message|>"
+THINKING = "<|channel|>analysis<|message|>Need the weather.<|end|>"
+OPENAI_CASES = [
+    ("It is sunny.", "It is sunny.", []),  # the final channel's answer, as the reasoning parser leaves it
+    (CALL_HEADER.format("get_weather") + '{"city": "Paris", "days": 3}<|call|>', None, [PARIS]),
+    (CALL_HEADER.format("get_weather") + '{"city": "Paris", "days": 3}', None, [PARIS]),  # <|call|>: a stop token
+    (THINKING + CALL_HEADER.format("get_time") + '{"zone": "CET"}', THINKING, [CET]),  # no reasoning parser
+    ("<|channel|>commentary to=functions.f<|message|><|call|>", None, [("f", {})]),
+    ('<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{"a": [1,2]}<|end|>', None,
+     [("f", '{"a": [1,2]}')]),
+    (CALL_HEADER.format("get_weather") + '{"city": "Par', None, [("get_weather", '{"city": "Par')]),  # cut short
+    (CALL_HEADER.format("get_weather") + '{"city": "Paris", "days": 3}<|call|>' + CALL_HEADER.format("get_time")
+     + '{"zone": "CET"}<|call|>', None, [PARIS, CET]),
+    ("<|channel|>commentary to=browser.search<|message|>{}<|call|>",
+     "<|channel|>commentary to=browser.search<|message|>{}<|call|>", []),  # not a function
+    ("<|channel|>commentary to=functions.<|message|>{}", "<|channel|>commentary to=functions.<|message|>{}", []),
+    ("a <|chan b <|", "a <|chan b <|", []),
+    (CALL_HEADER.format("f")[:30], CALL_HEADER.format("f")[:30], []),  # an unfinished header
+    ("", None, []),
+]
+PYTHONIC = get_tool_parser("pythonic")()
+PYTHONIC_CASES = [
+    ("Plain answer [not a call]", "Plain answer [not a call]", []),
+    ('[get_weather(city="Paris", days=3)]', None, [PARIS]),
+    ('\n [get_weather(city="Paris", days=3), get_time(zone="CET")] ', None, [PARIS, CET]),
+    ("[f(a=[1, (2, 3)], b={'k': None}, c=True, d=-1.5)]", None,
+     [("f", {"a": [1, [2, 3]], "b": {"k": None}, "c": True, "d": -1.5})]),
+    ("[f()]", None, [("f", {})]),
+    ('[f(a="Zürich")]', None, [("f", {"a": "Zürich"})]),
+    # not a list of calls of literals: content as written, and never run
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+    ("[f(1)]", "[f(1)]", []),
+    ("[f(a=g())]", "[f(a=g())]", []),
+    ("[f(a=__import__('os').system('true'))]", "[f(a=__import__('os').system('true'))]", []),
+    ("[f(**{'a': 1})]", "[f(**{'a': 1})]", []),
+    ("[os.system(a=1)]", "[os.system(a=1)]", []),
+    ("[f(a={1, 2})]", "[f(a={1, 2})]", []),  # a set: no JSON
+    ("[f(a=1), ", "[f(a=1), ", []),  # cut short
+    ("[]", "[]", []),
+    ("", None, []),
+]
+MARKERS = {"hermes": ["<tool_call>", "</tool_call>"], "llama3_json": ["<|python_tag|>"],
+           "openai": ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>"],
+           "pythonic": []}
+BOTH = pytest.mark.parametrize("parser, cases", [(HERMES, HERMES_CASES), (LLAMA, LLAMA_CASES),
+                                                 (OPENAI, OPENAI_CASES), (PYTHONIC, PYTHONIC_CASES)],
+                               ids=["hermes", "llama3_json", "openai", "pythonic"])
 
 
 def arguments_text(arguments: dict | str) -> str:
@@ -186,10 +233,42 @@ def test_the_arguments_of_a_string_come_whole_once_it_closes():
 
 
 def test_the_registry():
-    assert set(TOOL_PARSERS) == {"hermes", "llama3_json"}
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json", "openai", "pythonic"}
     assert all(TOOL_PARSERS[name].name == name for name in TOOL_PARSERS)
-    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'; choose from hermes, llama3_json"):
+    with pytest.raises(ValueError, match="unknown tool-call parser 'nope'; choose from hermes, llama3_json, openai, "
+                                         "pythonic"):
         get_tool_parser("nope")
+
+
+def test_an_openai_call_streams_its_name_from_the_header_then_its_arguments_as_written():
+    state = OPENAI.stream()
+    assert fed(state, "<|channel|>commentary to=functions.get_ti") == []
+    assert fed(state, "me <|constrain|>json<|mess") == []
+    assert fed(state, 'age|>{"zone": ') == [(0, "get_time", ""), (0, None, '{"zone": ')]
+    assert fed(state, '"CET"}<|ca') == [(0, None, '"CET"}')]
+    assert fed(state, "ll|>") == []
+    assert state.finish().calls == []
+
+
+def test_pythonic_holds_a_possible_call_list_to_the_end_and_streams_other_text():
+    state = PYTHONIC.stream()
+    assert state.feed(" [get_time(zo").content == ""
+    assert state.feed('ne="CET")]').calls == []
+    assert [(p.index, p.name, p.arguments) for p in state.finish().calls] == \
+        [(0, "get_time", ""), (0, None, '{"zone": "CET"}')]
+    state = PYTHONIC.stream()
+    assert state.feed("  ").content == ""
+    assert state.feed("Sure [").content == "  Sure ["
+
+
+@pytest.mark.parametrize("parser", [OPENAI, PYTHONIC], ids=["openai", "pythonic"])
+def test_strict_tools_are_refused_where_the_calls_are_not_json(parser):
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "get_weather", "strict": True,
+                                                                   "parameters": WEATHER_PARAMS}})]
+    with pytest.raises(OpenAIError, match=f"--tool-call-parser {parser.name} .*cannot constrain a strict tool"):
+        grammar(None, None, tools, "auto", tool_parser=parser)
+    tools[0].function.strict = False  # without strict: no grammar, the parser reads the calls
+    assert grammar(None, None, tools, "auto", tool_parser=parser) is None
 
 
 # --- strict grammars, token by token through the engine's matcher on the tiny tokenizer

@@ -74,14 +74,17 @@ class ServerConfig:
     tool_call_parser: str | None = option(
         None, choices=tuple(TOOL_PARSERS), metavar="NAME",
         doc="the format of the model's tool calls, for --enable-auto-tool-choice: hermes (Hermes, Qwen2.5, Qwen3: "
-            "<tool_call>{...}</tool_call>), llama3_json (Llama 3.1/3.2: the output is JSON calls separated by ';')")
+            "<tool_call>{...}</tool_call>), llama3_json (Llama 3.1/3.2: the output is JSON calls separated by ';'), "
+            "pythonic (Gemma 3: the output is a Python list of calls, [f(a=1)]), openai (gpt-oss: harmony's "
+            "commentary-channel calls to functions.NAME)")
     reasoning_parser: str | None = option(
         None, choices=tuple(REASONING_PARSERS), metavar="NAME",
         doc="split each chat completion's <think> block off into message.reasoning_content (and delta."
             "reasoning_content), count it in usage.completion_tokens_details.reasoning_tokens, and apply a "
             "response_format, structured_outputs or tool grammar after it: deepseek_r1 (DeepSeek-R1, QwQ: the text up "
             "to </think> is reasoning, all of it without one), qwen3 (Qwen3: reasoning only in a <think> block at the "
-            "start); default: none, the output is all content")
+            "start), openai_gptoss (gpt-oss: harmony's analysis channel is reasoning, its final channel content); "
+            "default: none, the output is all content")
 
     def __post_init__(self) -> None:
         if not self.shutdown_timeout >= 0:  # NaN too

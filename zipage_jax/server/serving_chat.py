@@ -31,8 +31,11 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
         structured = grammar(body.response_format, body.structured_outputs, body.tools, output.tool_choice,
                              body.parallel_tool_calls, output.tool_parser, output.reasoning)
         renames = engine_param_names(structured, {**_PROMPT_PARAM, "logprobs": "top_logprobs"})
-        # a tool parser reads markers that may be special tokens (as vLLM's: whatever the request says)
-        keep_special = {} if output.tool_parser is None else {"skip_special_tokens": False}
+        # a tool parser reads markers that may be special tokens (as vLLM's: whatever the request says), as
+        # does a reasoning parser whose markers are special tokens (harmony's)
+        reads_special = output.tool_parser is not None or (output.reasoning is not None
+                                                           and output.reasoning.needs_special_tokens)
+        keep_special = {"skip_special_tokens": False} if reads_special else {}
         params = sampling_params(body, most, (body.top_logprobs or 0) if body.logprobs else None, renames,
                                  structured, **keep_special)
         request_id = request.state.request_id

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 from zipage_jax.server.reasoning_parsers.base import ReasoningDelta, ReasoningParser, ReasoningStream, ReasoningTags
 from zipage_jax.server.reasoning_parsers.deepseek_r1 import DeepSeekR1ReasoningParser
+from zipage_jax.server.reasoning_parsers.openai_gptoss import GptOssReasoningParser
 from zipage_jax.server.reasoning_parsers.qwen3 import Qwen3ReasoningParser
 
 THINK = ReasoningTags("<think>", "</think>")
-# each parser's tags: the only place they are written
-TAGS: dict[type[ReasoningParser], ReasoningTags] = {DeepSeekR1ReasoningParser: THINK, Qwen3ReasoningParser: THINK}
+# each parser's tags: the only place they are written (harmony's: its reasoning tokens are those
+# through the first <|end|>)
+TAGS: dict[type[ReasoningParser], ReasoningTags] = {
+    DeepSeekR1ReasoningParser: THINK, Qwen3ReasoningParser: THINK,
+    GptOssReasoningParser: ReasoningTags("<|channel|>analysis<|message|>", "<|end|>")}
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     parser.name: parser.tagged(tags) for parser, tags in TAGS.items()}
 

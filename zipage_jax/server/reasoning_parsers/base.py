@@ -29,7 +29,7 @@ import llguidance
 
 from zipage_jax.server.partial_markers import held_prefix
 
-_PROMPT_TAIL_TOKENS = 32  # enough for a template's "<think>\n\n</think>\n\n" in byte-sized tokens
+PROMPT_TAIL_TOKENS = 32  # enough for a template's "<think>\n\n</think>\n\n" in byte-sized tokens
 
 
 class ReasoningTags(NamedTuple):
@@ -56,6 +56,7 @@ class ReasoningParser:
     # an output that does not start with the start tag is reasoning (DeepSeek-R1: the template opened
     # the block) rather than content (Qwen3)
     reasons_without_start_tag: ClassVar[bool]
+    needs_special_tokens: ClassVar[bool] = False  # its markers are special tokens: decode the output with them
 
     def __init__(self, prompt_opened: bool | None = None):
         """prompt_opened: True if the prompt opened the think block, False if it closed it, None if neither."""
@@ -71,7 +72,7 @@ class ReasoningParser:
     @classmethod
     def for_prompt(cls, prompt_token_ids: list[int], tokenizer: Any) -> ReasoningParser:
         """The parser of a request whose prompt (a rendered chat) is `prompt_token_ids`."""
-        tail = tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:]).rstrip()
+        tail = tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:]).rstrip()
         return cls(True if tail.endswith(cls.tags.start) else False if tail.endswith(cls.tags.end) else None)
 
     def stream(self) -> ReasoningStream:

@@ -14,9 +14,13 @@ from zipage_jax.server.tool_parsers.base import (
 )
 from zipage_jax.server.tool_parsers.hermes import HermesToolParser
 from zipage_jax.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from zipage_jax.server.tool_parsers.openai import OpenAIToolParser
+from zipage_jax.server.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {parser.name: parser for parser in (HermesToolParser,
-                                                                                Llama3JsonToolParser)}
+                                                                                Llama3JsonToolParser,
+                                                                                OpenAIToolParser,
+                                                                                PythonicToolParser)}
 
 __all__ = ["TOOL_PARSERS", "ParsedToolCall", "ToolCallPiece", "ToolCallStream", "ToolDelta", "ToolParser",
            "get_tool_parser", "whole_calls"]
