@@ -12,6 +12,10 @@ or int4, packed two values a byte:
   k_pool, v_pool:     [num_blocks, BS, Hkv, D / 2] uint8
   k_scales, v_scales: [num_blocks, BS, Hkv, D / 32] float16, one per group of 32 elements.
 
+Attention sinks (`sinks` [Hq], gpt-oss): per query head a logit in the softmax's denominator
+with no value; they join in the combine of the splits, outside the kernel, so None runs
+exactly the program without them.
+
 Slots at or past context_lens may hold anything (NaN included, scales too): they are masked
 out of the logits and zeroed in V. A sliding window (static `window` > 0) hides the slots below
 context_lens - window too, and each program starts its loop at the first step holding a visible slot.
@@ -54,6 +58,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.kv_pool import check_paged_inputs
 from pallas_kernels.kv_quant import INT4_GROUP, check_kv_scales, is_int4, rotate_int4
+from pallas_kernels.sinks import add_sinks, check_sinks
 from pallas_kernels.tiling import next_power_of_two
 
 DEFAULT_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -211,7 +216,7 @@ def _num_programs_target() -> int:
     return getattr(jax.devices()[0], "core_count", None) or _DEFAULT_PROGRAMS
 
 
-def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, *, scale, window, block_h,
+def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, sinks, *, scale, window, block_h,
                   block_k, k_splits, num_warps, num_stages, interpret):
     # scales: () or (k_scales, v_scales), each [num_blocks, BS, Hkv] float32 (int4: [.., Hkv, D / 32] float16)
     batch, q_heads, head_dim = q.shape
@@ -279,6 +284,10 @@ def _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, *, scal
     weight = jnp.exp2(m - m_all)  # [B, S, Hkv, block_h]
     l_all = (weight * l).sum(axis=1)
     o_all = (weight[..., None] * o).sum(axis=1)
+    if sinks is not None:  # base-2 logits like m; the padding rows of the tile get none
+        sink = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, group) * _LOG2E,
+                       ((0, 0), (0, block_h - group)), constant_values=-jnp.inf)
+        l_all, o_all = add_sinks(m_all[:, 0], l_all, o_all, sink, exp=jnp.exp2)
     out = o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]  # [B, Hkv, block_h, D]
     if rotated:
         out = rotate_int4(out)
@@ -317,7 +326,8 @@ def _int4_operands(q_tile, k_pages, v_pages, scale_pages, stats_shape):
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            block_tables: jax.Array, context_lens: jax.Array, *,
                            k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
-                           scale: float | None = None, window: int = 0, interpret: bool = False,
+                           scale: float | None = None, window: int = 0, sinks: jax.Array | None = None,
+                           interpret: bool = False,
                            block_h: int = 16, block_k: int = 128, k_splits: int | None = None,
                            num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """Decode attention of one query token per sequence over its pages.
@@ -334,6 +344,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         one per group of 32 elements; both or neither.
       scale: softmax scale, default 1/sqrt(D).
       window: sliding window in slots (0: none): a row of length n sees slots n - window .. n - 1.
+      sinks: [Hq] per query head a logit in the softmax's denominator only (None: none).
       interpret: run the kernel in the Pallas interpreter (needed on CPU).
       block_h: query rows per tile (power of two >= 16; raised to cover the group G).
       block_k: tokens per inner step (power of two >= 16).
@@ -363,9 +374,10 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         raise ValueError(f"k_splits must be >= 1, got {k_splits}")
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: no window), got {window}")
+    check_sinks(sinks, q_heads)
     scale = head_dim**-0.5 if scale is None else scale
     block_h = max(block_h, next_power_of_two(q_heads // k_pool.shape[2]))
     scales = (k_scales, v_scales) if quantized else ()
-    return _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, scale=scale, window=window,
+    return _paged_decode(q, k_pool, v_pool, block_tables, context_lens, scales, sinks, scale=scale, window=window,
                          block_h=block_h, block_k=block_k, k_splits=k_splits,
                          num_warps=num_warps, num_stages=num_stages, interpret=interpret)

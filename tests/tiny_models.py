@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral / Gemma 3 checkpoints in transformers' format, built offline.
+"""Tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral / Gemma 3 / gpt-oss checkpoints in transformers'
+format, built offline.
 
 The tokenizer is byte-level BPE over the 256 byte tokens plus ChatML specials and a fixed
 list of merges (" a".." z", common English pairs) filling the model's vocab_size, so every id decodes.
@@ -11,6 +12,7 @@ from pathlib import Path
 ARCHS = ("qwen3", "qwen2", "llama")
 MOE_ARCHS = ("qwen3_moe", "mixtral")  # mixtures of experts (not in ARCHS: the dense families' fixtures)
 GEMMA_ARCHS = ("gemma3",)  # sliding-window attention (not in ARCHS either)
+GPT_OSS_ARCHS = ("gpt_oss",)  # sinks, biased experts, YaRN, alternating sliding layers (not in ARCHS either)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
@@ -60,6 +62,13 @@ _ARCH_CONFIGS = {
     "gemma3": dict(head_dim=32, num_hidden_layers=5, sliding_window=8, sliding_window_pattern=3,
                    query_pre_attn_scalar=24, final_logit_softcapping=4.0, tie_word_embeddings=True,
                    rope_scaling=dict(rope_type="linear", factor=4.0)),
+    # gpt-oss: 4 experts of width 32, top 2, a SwiGLU clamped at 1 (the tiny weights reach it); windows
+    # of 8 in layers 0 and 2; YaRN over an original context of 16 tokens, so most frequencies are
+    # interpolated and cos/sin scaled; q/k/v/o and expert biases; sinks (set in save_tiny_model)
+    "gpt_oss": dict(head_dim=32, num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
+                    intermediate_size=32, sliding_window=8, swiglu_limit=1.0, tie_word_embeddings=False,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=10_000.0, factor=32.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=16)),
 }
 
 
@@ -70,11 +79,18 @@ _MERGES = [("Ġ", c) for c in "abcdefghijklmnopqrstuvwxyz"] + [
 ]
 
 
-def build_tokenizer(vocab_size: int):
+def build_tokenizer(vocab_size: int, chat_template: str = CHAT_TEMPLATE, extra_special_tokens: tuple[str, ...] = (),
+                    bos_token: str = "<|im_start|>", eos_token: str = "<|im_end|>"):
+    """The tiny tokenizer; another family's `chat_template` comes with the special tokens it writes
+    (`extra_special_tokens`, ids 3.. after the ChatML ones, fewer merges filling the vocab) and its
+    BOS and EOS (among the special tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tokens = list(SPECIAL_TOKENS) + sorted(pre_tokenizers.ByteLevel.alphabet())
+    specials = list(SPECIAL_TOKENS) + list(extra_special_tokens)
+    if bos_token not in specials or eos_token not in specials:
+        raise ValueError(f"the BOS and EOS tokens ({bos_token}, {eos_token}) must be among the special tokens")
+    tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet())
     merges = _MERGES[: vocab_size - len(tokens)]
     if len(tokens) + len(merges) != vocab_size:
         raise ValueError(f"tiny tokenizer vocab_size must be in [{len(tokens)}, {len(tokens) + len(_MERGES)}]")
@@ -82,13 +98,13 @@ def build_tokenizer(vocab_size: int):
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(specials)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
+        bos_token=bos_token,
+        eos_token=eos_token,
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
 
 
@@ -96,10 +112,10 @@ def hf_config(arch: str, **overrides):
     import transformers
 
     if arch not in _ARCH_CONFIGS:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS + MOE_ARCHS + GEMMA_ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS + MOE_ARCHS + GEMMA_ARCHS + GPT_OSS_ARCHS}")
     cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
-           "gemma3": transformers.Gemma3TextConfig}
+           "gemma3": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig}
     return cls[arch](**{**_COMMON, **_ARCH_CONFIGS[arch], **overrides})
 
 
@@ -117,6 +133,8 @@ def save_tiny_model(arch: str, path: str | Path, *, sharded: bool = False, seed:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("sinks"):  # logits of the order of the attention scores'
+                p.copy_(torch.randn_like(p))
     path = Path(path)
     model.save_pretrained(path, max_shard_size="40KB" if sharded else "1GB")
     build_tokenizer(config.vocab_size).save_pretrained(path)

@@ -62,8 +62,8 @@ def test_config_rejects_unsupported():
         ModelConfig.from_hf(transformers.GPT2Config(architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         ModelConfig.from_hf(transformers.GPT2Config())
-    with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
-        ModelConfig.from_hf(hf_config("qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="rope scaling type 'dynamic'"):
+        ModelConfig.from_hf(hf_config("qwen3", rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelConfig.from_hf(hf_config("qwen2", num_key_value_heads=3))
 

@@ -133,7 +133,7 @@ class TensorParallel:
     def per_shard_decode(self, kernel: Callable) -> Callable:
         """shard_map of a decode kernel(q [B, Hq, D], k_pool, v_pool, block_tables, lens, **scales) -> [B, Hq, D];
         scales: k_scales, v_scales [NB, BS, Hkv] (int4: [NB, BS, Hkv, D / 32]) of a quantized pool, split on Hkv
-        like the pools."""
+        like the pools, and sinks [Hq] (attention sinks) split like q's heads."""
         q_spec = P(None, TP, None)
 
         def run(q, k_pool, v_pool, block_tables, lens, **scales):
@@ -142,7 +142,9 @@ class TensorParallel:
             def local(q, k_pool, v_pool, block_tables, lens, *scale_arrays):
                 return kernel(q, k_pool, v_pool, block_tables, lens, **dict(zip(names, scale_arrays)))
 
-            in_specs = (q_spec, _HEADS, _HEADS, P(), P()) + (_TOKEN_HEADS,) * len(names)
+            # the scales split on Hkv like the pools; attention sinks [Hq] like q's heads
+            kwarg_specs = tuple(P(TP) if name == "sinks" else _TOKEN_HEADS for name in names)
+            in_specs = (q_spec, _HEADS, _HEADS, P(), P()) + kwarg_specs
             return jax.shard_map(local, mesh=self.mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
                 q, k_pool, v_pool, block_tables, lens, *scales.values())
 
@@ -153,6 +155,8 @@ def param_spec(path: tuple, expert_parallel: bool = False) -> P:
     names = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
     names = [n for n in names if n != "value"]
     module, leaf = names[-2], names[-1]
+    if module == "experts" and leaf.endswith("_bias"):  # gpt-oss's stacked expert biases [experts, out]
+        return P(TP, None) if expert_parallel else P() if leaf == "down_bias" else P(None, TP)
     if module == "experts":  # stacked expert kernels [experts, in, out]
         if expert_parallel:
             return P(TP, None, None)

@@ -13,6 +13,8 @@ expert), each tile multiplied by its expert's weights, the rows kept in tiles fr
 the tokens to the weighted sum.
 
 Expert weights are stacked: gate_proj, up_proj [E, hidden, width], down_proj [E, width, hidden].
+gpt-oss adds per-expert biases (`ExpertBiases`: gate, up [E, width], down [E, hidden]) and its
+clamped SwiGLU (`ClampedSwiGLU`); without them the path is the plain SwiGLU MLP.
 
 Under expert parallelism (`expert_parallel_mlp`) the E axis is split over a device mesh: a
 shard_map gives each device its own experts' rows (another device's experts' rows are dropped
@@ -24,10 +26,39 @@ parallelism splits the experts' memory, not their work.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+
+
+class ExpertBiases(NamedTuple):
+    """Per-expert biases: gate, up [E, width] (added to those products), down [E, hidden]."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: gate clamped to <= limit, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    limit: float
+    alpha: float = 1.702
+
+    def __call__(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * self.alpha))
+
+
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
 
 
 def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -41,33 +72,40 @@ def route(logits: jax.Array, k: int, renormalize: bool) -> tuple[jax.Array, jax.
 
 
 def grouped_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
-                down_proj: jax.Array, *, tiled: bool | None = None) -> jax.Array:
+                down_proj: jax.Array, *, tiled: bool | None = None, biases: ExpertBiases | None = None,
+                glu: ClampedSwiGLU | None = None) -> jax.Array:
     """x [N, hidden], weights / experts [N, k] -> sum over k of weight * expert's SwiGLU MLP(x): [N, hidden].
     An expert id >= E adds nothing (expert parallelism: an expert held by another device).
-    tiled: the grouped products as tiles (default: on CPU) or as jax.lax.ragged_dot."""
+    tiled: the grouped products as tiles (default: on CPU) or as jax.lax.ragged_dot.
+    biases, glu: gpt-oss's expert biases and clamped SwiGLU (None: none, plain SwiGLU)."""
     tile = _tile_rows(experts.size, gate_proj.shape[0])
-    return _grouped_sum(x, weights, experts, gate_proj, up_proj, down_proj, tiled, tile).astype(x.dtype)
+    return _grouped_sum(x, weights, experts, gate_proj, up_proj, down_proj, tiled, tile, biases,
+                        glu).astype(x.dtype)
 
 
 def expert_parallel_mlp(mesh: Mesh, x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                        up_proj: jax.Array, down_proj: jax.Array, *, tiled: bool | None = None) -> jax.Array:
+                        up_proj: jax.Array, down_proj: jax.Array, *, tiled: bool | None = None,
+                        biases: ExpertBiases | None = None, glu: ClampedSwiGLU | None = None) -> jax.Array:
     """grouped_mlp with the experts' E axis split over all of `mesh`'s axes (x, weights and
-    experts replicated): device d runs experts [d * E/n, (d + 1) * E/n); one all-reduce."""
+    experts replicated; biases split like the weights): device d runs experts [d * E/n, (d + 1) * E/n);
+    one all-reduce."""
     axes = mesh.axis_names
     tile = _tile_rows(experts.size, gate_proj.shape[0])  # one device's tiles: the same products per expert
 
-    def local(x, weights, experts, gate_proj, up_proj, down_proj):
+    def local(x, weights, experts, gate_proj, up_proj, down_proj, biases):
         held = gate_proj.shape[0]
         ids = experts - jax.lax.axis_index(axes) * held
         ids = jnp.where((ids >= 0) & (ids < held), ids, held)  # held: another device's expert
-        return jax.lax.psum(_grouped_sum(x, weights, ids, gate_proj, up_proj, down_proj, tiled, tile), axes)
+        return jax.lax.psum(_grouped_sum(x, weights, ids, gate_proj, up_proj, down_proj, tiled, tile, biases, glu),
+                            axes)
 
-    split = jax.shard_map(local, mesh=mesh, in_specs=(P(),) * 3 + (P(axes),) * 3, out_specs=P())
-    return split(x, weights, experts, gate_proj, up_proj, down_proj).astype(x.dtype)
+    split = jax.shard_map(local, mesh=mesh, in_specs=(P(),) * 3 + (P(axes),) * 4, out_specs=P())
+    return split(x, weights, experts, gate_proj, up_proj, down_proj, biases).astype(x.dtype)
 
 
 def _grouped_sum(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array, up_proj: jax.Array,
-                 down_proj: jax.Array, tiled: bool | None, tile: int) -> jax.Array:
+                 down_proj: jax.Array, tiled: bool | None, tile: int, biases: ExpertBiases | None = None,
+                 glu: ClampedSwiGLU | None = None) -> jax.Array:
     """grouped_mlp in float32, before the cast, in tiles of `tile` rows."""
     N, k = experts.shape
     flat = experts.reshape(-1)  # assignment a = token * k + slot
@@ -83,14 +121,26 @@ def _grouped_sum(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj
 
         def matmul(h: jax.Array, w: jax.Array) -> jax.Array:
             return jnp.einsum("tmk,tkn->tmn", h, w[group])
+
+        def bias(b: jax.Array) -> jax.Array:  # [E, n] -> per tile [tiles, 1, n]
+            return b[group][:, None]
     else:
         tokens = jnp.where(jnp.arange(N * k) < sizes.sum(), tokens, N)  # rows past every group: dropped
 
         def matmul(h: jax.Array, w: jax.Array) -> jax.Array:
             return jax.lax.ragged_dot(h, w, sizes)
+
+        def bias(b: jax.Array) -> jax.Array:  # [E, n] -> per row [N * k, n] (dropped rows: any expert's)
+            return b[jnp.minimum(flat[order], b.shape[0] - 1)]
     rows = x.at[tokens].get(mode="fill", fill_value=0)  # rows: [..., hidden]
-    h = jax.nn.silu(matmul(rows, gate_proj)) * matmul(rows, up_proj)
-    out = matmul(h, down_proj).astype(jnp.float32) * row_weights[..., None]
+    gate, up = matmul(rows, gate_proj), matmul(rows, up_proj)
+    if biases is not None:
+        gate, up = gate + bias(biases.gate), up + bias(biases.up)
+    h = (_swiglu if glu is None else glu)(gate, up)
+    out = matmul(h, down_proj)
+    if biases is not None:
+        out = out + bias(biases.down)
+    out = out.astype(jnp.float32) * row_weights[..., None]
     return jax.ops.segment_sum(out.reshape(-1, x.shape[1]), tokens.reshape(-1), num_segments=N)
 
 
@@ -116,10 +166,16 @@ def _tiles(sizes: jax.Array, rows: int, tile: int) -> tuple[jax.Array, jax.Array
 
 
 def grouped_mlp_reference(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                          up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+                          up_proj: jax.Array, down_proj: jax.Array, *, biases: ExpertBiases | None = None,
+                          glu: ClampedSwiGLU | None = None) -> jax.Array:
     """grouped_mlp computed densely: every expert on every token, then weighted by the routing (tests)."""
     E = gate_proj.shape[0]
-    h = jax.nn.silu(jnp.einsum("nh,ehi->eni", x, gate_proj)) * jnp.einsum("nh,ehi->eni", x, up_proj)
-    every = jnp.einsum("eni,eih->enh", h, down_proj).astype(jnp.float32)  # every: [E, N, hidden]
+    gate, up = jnp.einsum("nh,ehi->eni", x, gate_proj), jnp.einsum("nh,ehi->eni", x, up_proj)
+    if biases is not None:
+        gate, up = gate + biases.gate[:, None], up + biases.up[:, None]
+    every = jnp.einsum("eni,eih->enh", (_swiglu if glu is None else glu)(gate, up), down_proj)
+    if biases is not None:
+        every = every + biases.down[:, None]
+    every = every.astype(jnp.float32)  # every: [E, N, hidden]
     dense = (jax.nn.one_hot(experts, E, dtype=jnp.float32) * weights[..., None]).sum(axis=1)  # [N, E]
     return jnp.einsum("enh,ne->nh", every, dense).astype(x.dtype)

@@ -46,7 +46,7 @@ def uses_block_tables(backend: Backend, chunk: int) -> bool:
 
 def paged_attention_fn(inputs: StepInputs, backend: Backend,
                        per_shard_decode: Callable[[Callable], Callable] | None = None):
-    """An `attn_fn(layer, q, k, v, kv_state, *, window=0, scale=None)` for the decoder (see
+    """An `attn_fn(layer, q, k, v, kv_state, *, window=0, scale=None, sinks=None)` for the decoder (see
     layers/attention.py): a sliding window bounds each token's visible slots from below, in slot
     space (kv_lens - window <= slot < kv_lens).
 
@@ -54,7 +54,7 @@ def paged_attention_fn(inputs: StepInputs, backend: Backend,
     None on one device."""
 
     def attn(layer: int, q: jax.Array, k: jax.Array, v: jax.Array, state: KVState, *, window: int = 0,
-             scale: float | None = None):
+             scale: float | None = None, sinks: jax.Array | None = None):
         # q: [R, C, Hq, D]; k, v: [R, C, Hkv, D]
         queries = scatter_rows(state.queries[layer], inputs.query_index, q)
         layer_pool = state.pools[layer]
@@ -65,11 +65,11 @@ def paged_attention_fn(inputs: StepInputs, backend: Backend,
             kernel = functools.partial(paged_decode_attention, interpret=backend.interpret, window=window, scale=scale)
             kernel = kernel if per_shard_decode is None else per_shard_decode(kernel)
             out = kernel(q[:, 0], pool.k, pool.v, inputs.block_tables, inputs.kv_lens[:, 0],
-                         **_scales_kwargs(pool))[:, None]
+                         **_scales_kwargs(pool), **({} if sinks is None else {"sinks": sinks}))[:, None]
         else:
             page = xla_page_size(pool.block_size)
             out, paged = paged_attention(q, pool.reshape_pages(page), inputs.block_tables, inputs.kv_lens, new,
-                                         window=window, scale=scale)
+                                         window=window, scale=scale, sinks=sinks)
             pool = paged.reshape_like(pool)
         pool = pool._replace(scores=layer_pool.scores, positions=layer_pool.positions)
         return out, state.replace_layer(layer, pool, queries)

@@ -9,6 +9,8 @@ Layouts (one layer):
                                          causal); 0 for padding -> zeros
   window:       static int               sliding window: token c sees only slots
                                          kv_len - window <= s < kv_len (0: all of them)
+  sinks:        [Hq] float or None       per query head a logit joining the softmax's
+                                         denominator (no value), folded in after the loop
   out:          [B, C, Hq, D] in q.dtype
 
 The keys are visited `tokens_per_step` at a time in a `fori_loop` whose trip count is the
@@ -42,6 +44,7 @@ from jax import lax
 
 from pallas_kernels import kv_quant
 from pallas_kernels.kv_pool import KVPool, check_paged_inputs
+from pallas_kernels.sinks import add_sinks, check_sinks
 
 _LOGITS_PER_STEP = 1 << 22  # float32 logits per loop step (16 MiB)
 _STEP_TOKENS_ONE_ROW, _STEP_TOKENS = 256, 128  # keys per loop step, powers of two
@@ -93,7 +96,8 @@ def _gather(pool: jax.Array, scales: jax.Array | None, pages: jax.Array, dtype) 
     return x.reshape(pages.shape[0], -1, *x.shape[2:])
 
 
-def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, window: int, new_kv: NewKV | None):
+def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, window: int, new_kv: NewKV | None,
+            sinks: jax.Array | None):
     # q: [B, C, Hkv, G, D]; kv_lens: [B, C]
     batch, chunk, num_kv_heads, group, head_dim = q.shape
     page = pools.k.shape[1]
@@ -143,7 +147,10 @@ def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, window:
     stats_shape = (batch, num_kv_heads, chunk * group)
     carry = (pools, jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
              jnp.zeros((*stats_shape, head_dim), jnp.float32))
-    pools, _, l, acc = lax.fori_loop(first_step, num_steps, step_fn, carry)
+    pools, m, l, acc = lax.fori_loop(first_step, num_steps, step_fn, carry)
+    if sinks is not None:  # per (kv head, c * G + g): query head kv * G + g's sink
+        sink = jnp.tile(sinks.astype(jnp.float32).reshape(num_kv_heads, group), (1, chunk))
+        l, acc = add_sinks(m, l, acc, sink)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, Hkv, C*G, D]
     if rotated:
         out = kv_quant.rotate_int4(out)
@@ -153,7 +160,8 @@ def _attend(q, pools: KVPool, block_tables, kv_lens, scale, step_tokens, window:
 @functools.partial(jax.jit, static_argnames=["scale", "step_tokens", "window"])
 def paged_attention(q: jax.Array, pools: KVPool, block_tables: jax.Array, kv_lens: jax.Array,
                     new_kv: NewKV | None = None, *, scale: float | None = None,
-                    step_tokens: int | None = None, window: int = 0) -> tuple[jax.Array, KVPool]:
+                    step_tokens: int | None = None, window: int = 0,
+                    sinks: jax.Array | None = None) -> tuple[jax.Array, KVPool]:
     """Attention of C tokens per row over their pages, writing `new_kv` first if given.
 
     Args:
@@ -165,6 +173,7 @@ def paged_attention(q: jax.Array, pools: KVPool, block_tables: jax.Array, kv_len
       scale: softmax scale, default 1/sqrt(D).
       step_tokens: keys per loop step (a multiple of P); default from `tokens_per_step`.
       window: sliding window in slots (0: none): a token of kv_len n sees slots n - window .. n - 1.
+      sinks: [Hq] per query head a logit in the softmax's denominator only (None: none).
 
     Returns:
       (out [B, C, Hq, D] in q.dtype, the pools after the write).
@@ -179,6 +188,7 @@ def paged_attention(q: jax.Array, pools: KVPool, block_tables: jax.Array, kv_len
                          f"got {kv_lens.dtype}{list(kv_lens.shape)}")
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: no window), got {window}")
+    check_sinks(sinks, q_heads)
     page = pools.k.shape[1]
     step_tokens = step_tokens or tokens_per_step(batch, chunk, q_heads, page)
     if step_tokens % page:
@@ -186,7 +196,7 @@ def paged_attention(q: jax.Array, pools: KVPool, block_tables: jax.Array, kv_len
     num_kv_heads = pools.k.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     q_grouped = q.reshape(batch, chunk, num_kv_heads, q_heads // num_kv_heads, head_dim)
-    out, pools = _attend(q_grouped, pools, block_tables, kv_lens, scale, step_tokens, window, new_kv)
+    out, pools = _attend(q_grouped, pools, block_tables, kv_lens, scale, step_tokens, window, new_kv, sinks)
     return out.reshape(q.shape).astype(q.dtype), pools
 
 
@@ -198,13 +208,14 @@ def write_kv(pools: KVPool, new_kv: NewKV) -> KVPool:
 @functools.partial(jax.jit, static_argnames=["scale", "window"])
 def paged_decode_attention_reference(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                                      block_tables: jax.Array, context_lens: jax.Array, *,
-                                     scale: float | None = None, window: int = 0) -> jax.Array:
+                                     scale: float | None = None, window: int = 0,
+                                     sinks: jax.Array | None = None) -> jax.Array:
     """Plain-XLA decode attention, same contract as the Pallas kernel
     `pallas_kernels.paged_attention.paged_decode_attention`."""
     if q.ndim != 3 or context_lens.ndim != 1:
         raise ValueError(f"q must be [B, Hq, D] and context_lens [B], "
                          f"got {q.shape} and {context_lens.shape}")
     out, _ = paged_attention(q[:, None], KVPool(k_pool, v_pool), block_tables, context_lens[:, None], scale=scale,
-                             window=window)
+                             window=window, sinks=sinks)
     return out[:, 0]
 

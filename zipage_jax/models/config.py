@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from zipage_jax.layers.moe import ClampedSwiGLU
 from zipage_jax.layers.rotary import RopeScaling
 
-Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text"]
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "gpt_oss"]
 
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": "llama",
@@ -16,6 +18,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",
 }
 _MODEL_TYPES = {family: name for name, family in ARCHITECTURES.items()}
 
@@ -47,6 +50,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's MLP width
     norm_topk_prob: bool = False  # the top-k router weights renormalised to sum to 1
+    expert_bias: bool = False  # biases on the router and on each expert's products (gpt-oss)
+    expert_glu: ClampedSwiGLU | None = None  # the experts' clamped SwiGLU (gpt-oss; None: SwiGLU)
     # sliding-window attention: per layer the window in tokens, 0 for a full-attention layer;
     # empty: every layer attends to its whole context
     layer_windows: tuple[int, ...] = ()
@@ -54,6 +59,7 @@ class ModelConfig:
     sliding_rope_theta: float | None = None  # RoPE base of the sliding-window layers (None: rope_theta)
     attention_scale: float | None = None  # softmax scale (None: head_dim ** -0.5)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    attention_sinks: bool = False  # a learned sink logit per query head in every layer (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -89,6 +95,10 @@ class ModelConfig:
         """From a transformers PretrainedConfig or its config.json dict (v4 or v5 RoPE fields)."""
         c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
         architecture = _architecture(c)
+        quant = (c.get("quantization_config") or {}).get("quant_method")
+        if quant == "mxfp4":
+            raise ValueError("unsupported quantization_config quant_method 'mxfp4' (the released gpt-oss "
+                             "weights); use a checkpoint dequantized to bfloat16")
         if architecture != "gemma3_text" and c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {c['hidden_act']!r}; only 'silu' is supported")
         if c.get("mlp_bias"):
@@ -97,6 +107,7 @@ class ModelConfig:
             raise ValueError("unsupported use_sliding_window=True (sliding-window attention)")
         num_heads = c["num_attention_heads"]
         gemma = _gemma3(c) if architecture == "gemma3_text" else {}
+        gpt_oss = _gpt_oss(c) if architecture == "gpt_oss" else {}
         rope_theta, rope_scaling = _rope(gemma.pop("full_rope", c))
         attention_bias = bool(c.get("attention_bias", False))
         eos = c.get("eos_token_id")
@@ -121,6 +132,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (eos,)),
             **_experts(c, architecture),
             **gemma,
+            **gpt_oss,
         )
 
 
@@ -144,7 +156,7 @@ def _experts(c: dict, architecture: Architecture) -> dict[str, Any]:
     dense layers among sparse ones are refused (one compiled layer program serves every layer).
     Mixtral always renormalises its top-k weights; its sliding window is refused where it would
     mask anything (transformers applies it whenever sliding_window is set)."""
-    if architecture not in ("qwen3_moe", "mixtral"):
+    if architecture not in ("qwen3_moe", "mixtral", "gpt_oss"):
         return {}
     for name in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
         if c.get(name):
@@ -157,6 +169,10 @@ def _experts(c: dict, architecture: Architecture) -> dict[str, Any]:
                              f"{c['max_position_embeddings']}: sliding-window attention)")
         return dict(num_experts=num_experts, num_experts_per_tok=c["num_experts_per_tok"],
                     moe_intermediate_size=c["intermediate_size"], norm_topk_prob=True)
+    if architecture == "gpt_oss":  # softmax over the top-k router logits: the renormalised top-k softmax
+        return dict(num_experts=num_experts, num_experts_per_tok=c["num_experts_per_tok"],
+                    moe_intermediate_size=c["intermediate_size"], norm_topk_prob=True, expert_bias=True,
+                    expert_glu=ClampedSwiGLU(float(c.get("swiglu_limit", 7.0)), float(c.get("swiglu_alpha", 1.702))))
     if not num_experts:  # transformers builds every layer dense then
         return {}
     if c.get("decoder_sparse_step", 1) != 1:
@@ -169,7 +185,28 @@ def _experts(c: dict, architecture: Architecture) -> dict[str, Any]:
                 moe_intermediate_size=c["moe_intermediate_size"], norm_topk_prob=bool(c.get("norm_topk_prob")))
 
 
-_GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _layer_windows(c: dict, default_types: list[str]) -> tuple[int, ...]:
+    """Per layer the sliding window (`sliding_window` tokens) or 0 (full attention), from
+    `layer_types` or, where the config has none, `default_types`."""
+    layers = c["num_hidden_layers"]
+    types = c.get("layer_types") or default_types
+    if len(types) != layers or not set(types) <= set(_LAYER_TYPES):
+        raise ValueError(f"layer_types must name {layers} layers, each one of {_LAYER_TYPES}, got {types}")
+    window = c.get("sliding_window")
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {window!r}")
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def _gpt_oss(c: dict) -> dict[str, Any]:
+    """gpt-oss's attention: learned sinks in every layer, sliding layers (by default every other
+    one, from the first) sharing the full layers' RoPE."""
+    return dict(attention_sinks=True,
+                layer_windows=_layer_windows(c, ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                                 for i in range(c["num_hidden_layers"])]))
 
 
 def _gemma3(c: dict) -> dict[str, Any]:
@@ -185,15 +222,9 @@ def _gemma3(c: dict) -> dict[str, Any]:
     act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ValueError(f"unsupported hidden_activation {act!r}; only 'gelu_pytorch_tanh' is supported")
-    layers = c["num_hidden_layers"]
     pattern = c.get("sliding_window_pattern") or 6
-    types = c.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                                     for i in range(layers)]
-    if len(types) != layers or not set(types) <= set(_GEMMA3_LAYER_TYPES):
-        raise ValueError(f"layer_types must name {layers} layers, each one of {_GEMMA3_LAYER_TYPES}, got {types}")
-    window = c.get("sliding_window")
-    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
-        raise ValueError(f"sliding_window must be a positive number of tokens, got {window!r}")
+    windows = _layer_windows(c, ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                 for i in range(c["num_hidden_layers"])])
     params = c.get("rope_parameters") or {}
     if "full_attention" in params:  # v5: one RoPE per layer type
         full = {"rope_parameters": params["full_attention"]}
@@ -204,8 +235,7 @@ def _gemma3(c: dict) -> dict[str, Any]:
     sliding_theta, sliding_scaling = _rope(sliding)
     if sliding_scaling is not None:
         raise ValueError(f"unsupported RoPE scaling of the sliding-window layers: {sliding_scaling}")
-    return dict(full_rope=full, layer_windows=tuple(window if t == "sliding_attention" else 0 for t in types),
-                hidden_act=act, sliding_rope_theta=sliding_theta,
+    return dict(full_rope=full, layer_windows=windows, hidden_act=act, sliding_rope_theta=sliding_theta,
                 attention_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5,
                 final_logit_softcapping=c.get("final_logit_softcapping"))
 
@@ -232,4 +262,23 @@ def _rope(c: dict) -> tuple[float, RopeScaling | None]:
                 params.get("original_max_position_embeddings", c["max_position_embeddings"])
             ),
         )
-    raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3")
+    if rope_type == "yarn":
+        return theta, _yarn(params, c)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn")
+
+
+def _yarn(params: dict, c: dict) -> RopeScaling:
+    """YaRN's fields, defaults and attention factor as transformers' _compute_yarn_parameters reads them."""
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or c["max_position_embeddings"] / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling("yarn", float(factor), original_max_position_embeddings=original,
+                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                       truncate=bool(params.get("truncate", True)), attention_factor=float(attention_factor))

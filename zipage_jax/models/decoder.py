@@ -1,5 +1,5 @@
 """One Flax NNX decoder for Llama, Qwen2, Qwen3, their mixtures of experts Qwen3-MoE and Mixtral,
-and Gemma 3's text model (GQA, tied or untied embeddings).
+Gemma 3's text model and gpt-oss (GQA, tied or untied embeddings).
 
 Module and parameter names mirror transformers' (`layers[i].self_attn.o_proj`, ...) so the
 checkpoint mapping in weights.py is mechanical; a Linear stores `kernel: [in, out]`. One is
@@ -8,19 +8,24 @@ per kv head: its G query heads, its k head, its v head, so a column shard over w
 holds their query heads too (tensor parallel); weights.fuse_qkv builds it. gate/up_proj stay
 apart: fusing them was slower at large batches on CPU. A mixture of experts replaces each
 layer's MLP by `mlp.gate` (the router) and `mlp.experts.{gate,up,down}_proj`, every expert's
-kernel stacked: [E, in, out] (layers/moe.py runs them).
+kernel stacked: [E, in, out] (layers/moe.py runs them). gpt-oss's experts add
+`mlp.experts.{gate,up,down}_bias` [E, out] and a router bias; weights.py splits its interleaved
+gate_up_proj into gate_proj and up_proj.
 
 Attention is delegated: each layer calls
     out, cache = attn_fn(layer_idx, q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D], cache, **options)
 with q and k after q/k-norm and RoPE (at `positions`); out is [B, T, Hq, D] and the attn_fn
 applies the softmax scale, D**-0.5 unless options holds `scale`. A sliding-window layer passes
-`window` (a query at slot p sees slots p - window < s <= p). Options hold only what the model
-sets, so a model without them calls attn_fn exactly as five arguments. The cache pytree passes
+`window` (a query at slot p sees slots p - window < s <= p); gpt-oss's layers pass their
+`sinks` [Hq] (`self_attn.sinks`, logits in the softmax's denominator only). Options hold only
+what the model sets, so a model without them calls attn_fn exactly as five arguments. The cache pytree passes
 through the decoder untouched.
 
 Gemma 3 (`cfg.gemma`): embeddings scaled by sqrt(hidden_size) in their dtype, RMSNorm weights as
 (1 + w), the attention output and the MLP (GeGLU, tanh GELU) between norms of their own, sliding
 layers with their own RoPE base, final logits soft-capped where the config says.
+gpt-oss (`cfg.attention_sinks`, `cfg.expert_glu`): attention sinks, biased experts with a clamped
+SwiGLU, YaRN RoPE (cos and sin scaled by its attention factor).
 
 To run it as a pure jitted function:
     fns, state = split(model)
@@ -46,7 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from zipage_jax.layers.moe import expert_parallel_mlp, grouped_mlp, route
+from zipage_jax.layers.moe import ExpertBiases, expert_parallel_mlp, grouped_mlp, route
 from zipage_jax.layers.norms import RMSNorm
 from zipage_jax.layers.rotary import apply_rope, inv_frequencies, rope_cos_sin
 from zipage_jax.models.config import ModelConfig
@@ -97,6 +102,7 @@ class Attention(nnx.Module):
         self.o_proj = Linear(cfg.num_heads * D, E, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, unit_offset=cfg.gemma) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype, unit_offset=cfg.gemma) if cfg.qk_norm else None
+        self.sinks = _param(rngs, (cfg.num_heads,), dtype) if cfg.attention_sinks else None
 
     def __call__(
         self, layer_idx: int, x: jax.Array, cos: jax.Array, sin: jax.Array, attn_fn: AttnFn, cache: Any
@@ -109,7 +115,10 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, cache = attn_fn(layer_idx, q, k, v, cache)  # out: [B, T, Hq, D]
+        if self.sinks is None:
+            out, cache = attn_fn(layer_idx, q, k, v, cache)  # out: [B, T, Hq, D]
+        else:
+            out, cache = attn_fn(layer_idx, q, k, v, cache, sinks=self.sinks[...])
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim)), cache
 
 
@@ -133,13 +142,15 @@ class Experts(nnx.Module):
         self.gate_proj = _param(rngs, (E, H, I), dtype)
         self.up_proj = _param(rngs, (E, H, I), dtype)
         self.down_proj = _param(rngs, (E, I, H), dtype)
+        bias = functools.partial(_param, rngs, dtype=dtype) if cfg.expert_bias else lambda shape: None
+        self.gate_bias, self.up_bias, self.down_bias = bias((E, I)), bias((E, I)), bias((E, H))
         self.mesh: Mesh | None = None  # expert parallelism: the devices the E axis is split over (engine/sharding.py)
 
 
 class SparseMoeBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs | None):
-        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=dtype, rngs=rngs)
+        self.top_k, self.renormalize, self.glu = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.expert_glu
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.expert_bias, dtype=dtype, rngs=rngs)
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -147,7 +158,9 @@ class SparseMoeBlock(nnx.Module):
         weights, experts = route(self.gate(flat), self.top_k, self.renormalize)
         e = self.experts
         args = (flat, weights, experts, e.gate_proj[...], e.up_proj[...], e.down_proj[...])
-        out = grouped_mlp(*args) if e.mesh is None else expert_parallel_mlp(e.mesh, *args)
+        options = dict(glu=self.glu, biases=None if e.gate_bias is None else ExpertBiases(
+            e.gate_bias[...], e.up_bias[...], e.down_bias[...]))
+        out = grouped_mlp(*args, **options) if e.mesh is None else expert_parallel_mlp(e.mesh, *args, **options)
         return out.reshape(x.shape)
 
 
@@ -178,7 +191,8 @@ class DecoderLayer(nnx.Module):
 def _layer_inputs(cfg: ModelConfig, positions: jax.Array, num_layers: int, attn_fn: AttnFn
                   ) -> list[tuple[jax.Array, jax.Array, AttnFn]]:
     """(cos, sin, attn_fn with the layer's options bound) for layers 0 .. num_layers - 1."""
-    full = rope_cos_sin(positions, inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    full = rope_cos_sin(positions, inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling),
+                        1.0 if cfg.rope_scaling is None else cfg.rope_scaling.attention_factor)
     sliding = full if cfg.sliding_rope_theta is None else rope_cos_sin(
         positions, inv_frequencies(cfg.head_dim, cfg.sliding_rope_theta))
     scale = {} if cfg.attention_scale is None else {"scale": cfg.attention_scale}

@@ -77,6 +77,8 @@ def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int) -> tuple[jax.Ar
 
 # Mixtral's names for its expert MLPs, as Qwen3-MoE (and transformers' own loader) call them
 _MIXTRAL_NAMES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+# gpt-oss's router and expert biases by our names (its stacked expert kernels keep theirs)
+_GPT_OSS_NAMES = {".mlp.router.": ".mlp.gate.", ".experts.down_proj_bias": ".experts.down_bias"}
 
 
 def decoder_from_hf(cfg: ModelConfig, dtype: jnp.dtype, tensors: Mapping[str, np.ndarray]) -> Decoder:
@@ -86,13 +88,14 @@ def decoder_from_hf(cfg: ModelConfig, dtype: jnp.dtype, tensors: Mapping[str, np
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         key = name.removeprefix("model.")
-        if cfg.architecture == "mixtral":
-            for old, new in _MIXTRAL_NAMES.items():
-                key = key.replace(old, new)
+        for old, new in {"mixtral": _MIXTRAL_NAMES, "gpt_oss": _GPT_OSS_NAMES}.get(cfg.architecture, {}).items():
+            key = key.replace(old, new)
         if key.endswith(("_proj.weight", ".mlp.gate.weight")):  # torch Linear [out, in] -> our kernel [in, out]
             key, value = key.removesuffix("weight") + "kernel", value.T
         flat[key] = value
-    if cfg.num_experts:
+    if cfg.architecture == "gpt_oss":
+        _split_gate_up(flat, cfg)
+    elif cfg.num_experts:
         _stack_experts(flat, cfg)
     for i, leaf in itertools.product(range(cfg.num_layers), ("kernel", "bias")):
         parts = [f"layers.{i}.self_attn.{p}_proj.{leaf}" for p in "qkv"]
@@ -103,6 +106,18 @@ def decoder_from_hf(cfg: ModelConfig, dtype: jnp.dtype, tensors: Mapping[str, np
             raise ValueError(f"checkpoint is missing {len(missing)} parameter(s): {', '.join(missing)}")
         flat[f"layers.{i}.self_attn.qkv_proj.{leaf}"] = fuse_qkv(*(flat.pop(p) for p in parts), cfg.num_kv_heads)
     return decoder_from_flat(cfg, dtype, flat)
+
+
+def _split_gate_up(flat: dict, cfg: ModelConfig) -> None:
+    """In place: each layer's gpt-oss `mlp.experts.gate_up_proj` [E, H, 2I] (and `_bias` [E, 2I]), gate and
+    up interleaved along the last axis (gate in the even columns), -> gate_proj / up_proj, gate_bias / up_bias."""
+    for i, (fused, gate, up) in itertools.product(range(cfg.num_layers), [("gate_up_proj", "gate_proj", "up_proj"),
+                                                                        ("gate_up_proj_bias", "gate_bias", "up_bias")]):
+        prefix = f"layers.{i}.mlp.experts."
+        if prefix + fused not in flat:
+            raise ValueError(f"checkpoint is missing parameter model.{prefix}{fused}")
+        value = np.asarray(flat.pop(prefix + fused))
+        flat[prefix + gate], flat[prefix + up] = value[..., ::2], value[..., 1::2]
 
 
 def _stack_experts(flat: dict, cfg: ModelConfig) -> None:
