@@ -1,7 +1,7 @@
 """gpt-oss: its config fields and refusals, YaRN RoPE against transformers, the biased experts with
 their clamped SwiGLU against transformers' expert module, logits against transformers on prompts
-longer than the sliding window, and greedy tokens through the engine (XLA; the Pallas decode
-kernel in interpret mode, a KV budget and a warmed-up engine as slow tests)."""
+longer than the sliding window; as slow tests, greedy tokens through the engine (XLA and the
+Pallas decode kernel in interpret mode), a KV budget and a warmed-up engine."""
 
 from __future__ import annotations
 
