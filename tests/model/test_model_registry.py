@@ -139,7 +139,8 @@ def test_resolve_source_assembles_a_registry_name(fake, monkeypatch, tmp_path):
 
 def test_unknown_name_lists_the_registry():
     with pytest.raises(ValueError, match=f"unknown model name 'qwen-9000': use 'default', '{QWEN}', "
-                                         "'qwen2.5-coder-1.5b-instruct', 'random-qwen3', 'random-qwen3-tiny', a model"):
+                                         "'qwen2.5-coder-1.5b-instruct', 'gemma-3-270m', 'random-qwen3', "
+                                         "'random-qwen3-tiny', a model"):
         resolve_source("qwen-9000")
 
 

@@ -10,6 +10,8 @@ import gguf.quants
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
+from zipage_jax.models.config import ARCHITECTURES
+
 Q = GGMLQuantizationType
 
 
@@ -42,7 +44,16 @@ def readable_types() -> tuple[GGMLQuantizationType, ...]:
     return tuple(readable)
 
 
-# GGUF tensor name -> transformers name, for the llama / qwen2 / qwen3 families.
+# GGUF `general.architecture` -> the transformers architecture it loads as (config.ARCHITECTURES):
+# the one table of the architectures a GGUF file may have.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+
+# GGUF tensor name -> transformers name.
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -61,16 +72,25 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma normalises the attention and MLP outputs too: four norms per layer
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
+    """A GGUF tensor name of a file of architecture `arch` -> its transformers name."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    layer_names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     m = _LAYER_RE.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in layer_names:
         raise ValueError(f"unexpected GGUF tensor {name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -99,25 +119,27 @@ def field_value(reader: GGUFReader, key: str, default=None):
 def hf_config(reader: GGUFReader) -> dict:
     """The file's model metadata as a transformers-style config dict."""
     arch = field_value(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"unsupported architecture {arch!r} in GGUF file; supported: llama, qwen2, qwen3")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r} in GGUF file; supported: {', '.join(GGUF_ARCHITECTURES)}")
     if field_value(reader, f"{arch}.rope.scaling.type", "none") != "none" or any(
         t.name == "rope_freqs.weight" for t in reader.tensors
     ):
         raise ValueError("unsupported GGUF RoPE scaling (rope.scaling.type / rope_freqs.weight)")
     heads = field_value(reader, f"{arch}.attention.head_count")
     hidden = field_value(reader, f"{arch}.embedding_length")
-    return {
-        "model_type": arch,
+    head_dim = (field_value(reader, f"{arch}.attention.key_length")
+                or field_value(reader, f"{arch}.rope.dimension_count")
+                or hidden // heads)
+    config = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": ARCHITECTURES[GGUF_ARCHITECTURES[arch]],
         "vocab_size": field_value(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         "hidden_size": hidden,
         "intermediate_size": field_value(reader, f"{arch}.feed_forward_length"),
         "num_hidden_layers": field_value(reader, f"{arch}.block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": field_value(reader, f"{arch}.attention.head_count_kv", heads),
-        "head_dim": field_value(reader, f"{arch}.attention.key_length")
-        or field_value(reader, f"{arch}.rope.dimension_count")
-        or hidden // heads,
+        "head_dim": head_dim,
         "rms_norm_eps": field_value(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
         "rope_theta": field_value(reader, f"{arch}.rope.freq_base", 10000.0),
         "max_position_embeddings": field_value(reader, f"{arch}.context_length"),
@@ -125,17 +147,43 @@ def hf_config(reader: GGUFReader) -> dict:
         "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field_value(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if arch == "gemma3":
+        config.update(_gemma3_fields(reader, head_dim))
+    return config
+
+
+def _gemma3_fields(reader: GGUFReader, head_dim: int) -> dict:
+    """What llama.cpp fixes for every Gemma 3 file rather than storing it: every 6th layer attends
+    to its whole context, the others to `attention.sliding_window` tokens with RoPE base 10,000,
+    and queries are scaled by head_dim ** -0.5 (transformers' GGUF loader keeps its config's
+    defaults, the same for every size but 27B)."""
+    window = field_value(reader, "gemma3.attention.sliding_window")
+    if window is None:
+        raise ValueError("GGUF Gemma 3 file has no gemma3.attention.sliding_window")
+    return {
+        "sliding_window": window,
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
 
 
 def read_tensors(reader: GGUFReader, config: dict) -> dict[str, np.ndarray]:
-    """All tensors, dequantized to float32, under transformers names."""
+    """All tensors, dequantized to float32, under transformers names.
+
+    llama.cpp stores Llama's Q and K rows permuted, and Gemma's RMSNorm weights with the 1 of
+    Gemma's (1 + w) already added: both undone here, as transformers' GGUF loader does."""
+    arch = field_value(reader, "general.architecture")
     tensors = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        if config["model_type"] == "llama" and ".q_proj." in name:
+        if arch == "llama" and ".q_proj." in name:
             w = _unpermute(w, config["num_attention_heads"])
-        elif config["model_type"] == "llama" and ".k_proj." in name:
+        elif arch == "llama" and ".k_proj." in name:
             w = _unpermute(w, config["num_key_value_heads"])
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            w = w - np.float32(1)
         tensors[name] = w
     return tensors

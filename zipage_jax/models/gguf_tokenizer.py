@@ -4,13 +4,15 @@
 
 A GGUF file carries its tokenizer as llama.cpp metadata (`tokenizer.ggml.*`): the token list,
 each token's type, the BPE merges (or SentencePiece scores), the special token ids and the
-chat template. Two kinds are built here, the ones the llama / qwen2 / qwen3 families use:
+chat template. Two kinds are built here, the ones the llama / qwen2 / qwen3 / gemma3 families use:
 
 - "gpt2": byte-level BPE (Llama 3, Qwen2, Qwen3, SmolLM). Tokens are spelled in GPT-2's
   byte alphabet; `tokenizer.ggml.pre` names the regex that splits text before BPE.
-- "llama": SentencePiece-style BPE (Llama 2, Mistral, TinyLlama). Tokens use "▁" for a space,
-  bytes the vocabulary lacks fall back to its `<0xXX>` tokens, and when the file lists no
-  merges they are derived from the token scores.
+- "llama": SentencePiece-style BPE (Llama 2, Mistral, TinyLlama, Gemma). Tokens use "▁" for a
+  space, bytes the vocabulary lacks fall back to its `<0xXX>` tokens, and when the file lists no
+  merges they are derived from the token scores. Gemma's files differ twice: their tokens of
+  two or more spaces are written with real spaces (the vocabulary spells them "▁▁"), and their
+  merges follow the tokens' order in the file, not their scores.
 
 A file that embeds Hugging Face's own `tokenizer.json` (`tokenizer.huggingface.json`) is used
 as is.
@@ -63,7 +65,7 @@ def gguf_tokenizer(reader: GGUFReader):
     elif kind == "gpt2":
         backend = _byte_level_bpe(reader, tokens, types)
     elif kind == "llama":
-        backend = _sentencepiece_bpe(reader, tokens, types)
+        backend = _sentencepiece_bpe(reader, tokens, gemma=field_value(reader, "general.architecture") == "gemma3")
     else:
         raise ValueError(
             f"unsupported GGUF tokenizer {kind!r} (tokenizer.ggml.model); supported: {', '.join(TOKENIZER_KINDS)}"
@@ -128,10 +130,14 @@ def _byte_level_bpe(reader: GGUFReader, tokens: list[str], types: list[int]) -> 
     return backend
 
 
-def _sentencepiece_bpe(reader: GGUFReader, tokens: list[str], types: list[int]) -> Tokenizer:
+def _sentencepiece_bpe(reader: GGUFReader, tokens: list[str], *, gemma: bool) -> Tokenizer:
+    if gemma:
+        tokens = [SPIECE_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {t: i for i, t in enumerate(tokens)}
     if reader.fields.get("tokenizer.ggml.merges") is not None:
         merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
+    elif gemma:
+        merges = merges_from_scores(tokens, [-i for i in range(len(tokens))])  # file order
     else:
         scores = field_value(reader, "tokenizer.ggml.scores")
         if scores is None:
@@ -174,8 +180,9 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
 
 def _add_special_tokens(backend: Tokenizer, tokens: list[str], types: list[int]) -> None:
     """Control tokens (`<|im_end|>`) become special tokens, user-defined ones (`<think>`) plain
-    added tokens: both are matched whole in the text instead of being split by BPE."""
+    added tokens: both are matched whole in the text instead of being split by BPE. A user-defined
+    token the vocabulary spells otherwise (Gemma's runs of spaces) is left to BPE."""
     control = [t for t, ty in zip(tokens, types) if ty == TokenType.CONTROL]
-    user = [t for t, ty in zip(tokens, types) if ty == TokenType.USER_DEFINED]
+    user = [t for t, ty in zip(tokens, types) if ty == TokenType.USER_DEFINED and backend.token_to_id(t) is not None]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])

