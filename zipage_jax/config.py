@@ -22,7 +22,7 @@ PROMPT_COMPRESSION = ("bounded", "deferred")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = option("default", doc="a registry name (zipage_jax/models/registry.py; \"default\" is "
+    model: str = option("default", doc="a packaged model name (zipage_jax/models/packaged.py; \"default\" is "
                                        "SmolLM2-135M-Instruct), a transformers model directory, a GGUF file or a "
                                        "Hugging Face model id (org/name: its config, tokenizer and safetensors "
                                        "weights are downloaded once)")

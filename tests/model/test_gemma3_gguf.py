@@ -22,7 +22,7 @@ from zipage_jax.models import gguf as ours
 from zipage_jax.models.config import ARCHITECTURES, ModelConfig
 from zipage_jax.models.gguf_tokenizer import SPIECE_SPACE, gguf_tokenizer
 from zipage_jax.models.loading import load_model, resolve_source
-from zipage_jax.models.registry import MODELS
+from zipage_jax.models.packaged import MODELS
 from zipage_jax.models.weights import flat_params
 
 torch = pytest.importorskip("torch")

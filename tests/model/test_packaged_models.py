@@ -1,4 +1,4 @@
-"""The model registry: named models assembled from pip-installed parts, verified, cached once."""
+"""Packaged models: named models assembled from pip-installed parts, verified, cached once."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from zipage_jax.models import registry
+from zipage_jax.models import packaged
 from zipage_jax.models.loading import resolve_source
-from zipage_jax.models.registry import MODELS, Part, PartedModel, model_path
+from zipage_jax.models.packaged import MODELS, Part, PartedModel, model_path
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 DATA = bytes(range(256)) * 37 + b"tail"  # split unevenly over six parts
@@ -49,7 +49,7 @@ def cached_files(fake) -> list[str]:
 def no_hashing(monkeypatch):
     def boom(*args):
         raise AssertionError("hashed again")
-    monkeypatch.setattr(registry, "hashlib", types.SimpleNamespace(sha256=boom, file_digest=boom))
+    monkeypatch.setattr(packaged, "hashlib", types.SimpleNamespace(sha256=boom, file_digest=boom))
 
 
 def test_assembles_once_then_trusts_the_sidecar(fake, monkeypatch):
@@ -115,7 +115,7 @@ def test_altered_part_says_expected_and_got_and_leaves_nothing(fake):
 def test_an_interrupted_assembly_leaves_nothing(fake, monkeypatch):
     def interrupt(fd):
         raise KeyboardInterrupt
-    monkeypatch.setattr(registry.os, "fsync", interrupt)
+    monkeypatch.setattr(packaged.os, "fsync", interrupt)
     with pytest.raises(KeyboardInterrupt):
         model_path(fake.spec, fake.cache)
     assert cached_files(fake) == []
@@ -128,7 +128,7 @@ def test_concurrent_assemblers_do_not_corrupt_each_other(fake):
     assert cached_files(fake) == ["fake.gguf", "fake.gguf.verified.json"]
 
 
-def test_resolve_source_assembles_a_registry_name(fake, monkeypatch, tmp_path):
+def test_resolve_source_assembles_a_packaged_model(fake, monkeypatch, tmp_path):
     spec = dataclasses.replace(MODELS[QWEN], parts=fake.spec.parts, size=fake.spec.size, sha256=fake.spec.sha256)
     monkeypatch.setitem(MODELS, QWEN, spec)
     monkeypatch.setenv("ZIPAGE_JAX_CACHE", str(tmp_path / "env_cache"))
@@ -137,7 +137,7 @@ def test_resolve_source_assembles_a_registry_name(fake, monkeypatch, tmp_path):
     assert resolve_source(QWEN, tmp_path / "other").parent == tmp_path / "other" / "models"
 
 
-def test_unknown_name_lists_the_registry():
+def test_unknown_name_lists_the_packaged_models():
     with pytest.raises(ValueError, match=f"unknown model name 'qwen-9000': use 'default', '{QWEN}', "
                                          "'qwen2.5-coder-1.5b-instruct', 'gemma-3-270m', 'random-qwen3', "
                                          "'random-qwen3-tiny', a model"):
