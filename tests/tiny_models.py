@@ -159,12 +159,41 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{g}.{leaf}"
 
 
-def save_tiny_gguf(model_dir: str | Path, path: str | Path, *, qtype: str = "F32") -> Path:
+def _gguf_tensors(tensors: dict, model_type: str, per_expert: bool) -> dict:
+    """A saved model's tensors by llama.cpp's names: Mixtral's named as Qwen3-MoE's, each layer's
+    experts stacked as llama.cpp writes them ([E, out, in], blk.N.ffn_gate_exps.weight) or, with
+    `per_expert`, one tensor per expert (blk.N.ffn_gate.J.weight, older Mixtral files)."""
+    import re
+
+    import numpy as np
+
+    from zipage_jax.models.weights import _MIXTRAL_NAMES
+
+    out, stacks = {}, {}
+    for name, value in sorted(tensors.items()):
+        if model_type == "mixtral":
+            for old, new in _MIXTRAL_NAMES.items():
+                name = name.replace(old, new)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m is None:
+            out[_gguf_name(name)] = value
+        elif per_expert:
+            out[f"blk.{m[1]}.ffn_{m[3]}.{m[2]}.weight"] = value
+        else:
+            stacks.setdefault(f"blk.{m[1]}.ffn_{m[3]}_exps.weight", {})[int(m[2])] = value
+    for name, experts in stacks.items():
+        out[name] = np.stack([experts[j] for j in range(len(experts))])
+    return out
+
+
+def save_tiny_gguf(model_dir: str | Path, path: str | Path, *, qtype: str = "F32", per_expert: bool = False) -> Path:
     """Write a tiny saved model (no RoPE scaling) as a llama.cpp-style GGUF file.
 
-    Matrices are stored as `qtype` (F32, F16, or a type gguf-py quantizes in 32-blocks: Q8_0, Q4_0,
-    Q4_1, Q5_0, Q5_1; the hidden sizes are multiples of 32, not 256), norms and biases as F32;
-    the tokenizer goes in as gpt2-style BPE.
+    Matrices (experts' included) are stored as `qtype` (F32, F16, or a type gguf-py quantizes in
+    32-blocks: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; the hidden sizes are multiples of 32, not 256), norms,
+    biases and routers as F32; the tokenizer goes in as gpt2-style BPE. Qwen3-MoE is written as
+    "qwen3moe" (only with norm_topk_prob: llama.cpp always renormalises), Mixtral as "llama" with
+    experts, stacked or `per_expert`.
     """
     import json
 
@@ -177,8 +206,11 @@ def save_tiny_gguf(model_dir: str | Path, path: str | Path, *, qtype: str = "F32
     arch = c["model_type"]
     if (c.get("rope_parameters") or {}).get("rope_type", "default") != "default":
         raise ValueError("GGUF files cannot carry this RoPE scaling; save the model with rope_scaling=None")
+    if arch == "qwen3_moe" and not c["norm_topk_prob"]:
+        raise ValueError("llama.cpp always renormalises Qwen3-MoE's top-k weights; save it with norm_topk_prob=True")
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    w = gguf.GGUFWriter(path, arch)
+    gguf_arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(arch, arch)
+    w = gguf.GGUFWriter(path, gguf_arch)
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_block_count(c["num_hidden_layers"])
@@ -191,6 +223,11 @@ def save_tiny_gguf(model_dir: str | Path, path: str | Path, *, qtype: str = "F32
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(c["rope_parameters"]["rope_theta"])
     w.add_vocab_size(c["vocab_size"])
+    if arch in ("qwen3_moe", "mixtral"):
+        w.add_expert_count(c.get("num_experts") or c["num_local_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
+    if arch == "qwen3_moe":
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     w.add_tokenizer_model("gpt2")
@@ -205,14 +242,13 @@ def save_tiny_gguf(model_dir: str | Path, path: str | Path, *, qtype: str = "F32
 
     files = sorted(model_dir.glob("*.safetensors"))
     tensors = {k: v for f in files for k, v in load_file(f).items()}
-    for name, value in sorted(tensors.items()):
-        gname = _gguf_name(name)
-        if arch == "llama" and ".attn_q." in gname:
+    for gname, value in _gguf_tensors(tensors, arch, per_expert).items():
+        if gguf_arch == "llama" and ".attn_q." in gname:
             value = _llama_cpp_permute(value, c["num_attention_heads"])
-        elif arch == "llama" and ".attn_k." in gname:
+        elif gguf_arch == "llama" and ".attn_k." in gname:
             value = _llama_cpp_permute(value, c["num_key_value_heads"])
         value = np.ascontiguousarray(value, dtype=np.float32)
-        if value.ndim == 2 and qtype != "F32":
+        if value.ndim >= 2 and qtype != "F32" and ".ffn_gate_inp." not in gname:
             q = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(gname, gguf.quants.quantize(value, q), raw_dtype=q)
         else:

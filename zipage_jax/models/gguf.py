@@ -45,13 +45,16 @@ def readable_types() -> tuple[GGMLQuantizationType, ...]:
 
 
 # GGUF `general.architecture` -> the transformers architecture it loads as (config.ARCHITECTURES):
-# the one table of the architectures a GGUF file may have.
+# the one table of the architectures a GGUF file may have. llama.cpp writes Mixtral as "llama"
+# with experts (`llama.expert_count` > 0): see gguf_architecture.
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
+MIXTRAL = "MixtralForCausalLM"
 
 # GGUF tensor name -> transformers name.
 _GLOBAL_NAMES = {
@@ -71,6 +74,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
 # Gemma normalises the attention and MLP outputs too: four norms per layer
 _GEMMA_LAYER_NAMES = {
@@ -80,6 +84,9 @@ _GEMMA_LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Expert MLPs: stacked, [E, out, in] once the ggml dims are reversed (blk.N.ffn_gate_exps.weight), or one
+# tensor per expert (older Mixtral files: blk.N.ffn_gate.J.weight)
+_EXPERTS_RE = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)(?:_exps|\.(\d+))\.weight")
 
 
 def hf_name(name: str, arch: str = "llama") -> str:
@@ -91,6 +98,18 @@ def hf_name(name: str, arch: str = "llama") -> str:
     if m is None or m.group(2) not in layer_names:
         raise ValueError(f"unexpected GGUF tensor {name!r}")
     return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
+
+
+def _expert_tensors(m: re.Match, w: np.ndarray) -> dict[str, np.ndarray]:
+    """An expert tensor (its name's _EXPERTS_RE match) -> each expert's matrix [out, in] under its
+    transformers name (Qwen3-MoE's naming, which Mixtral's loads under too)."""
+    layer, proj, expert = m.groups()
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if expert is not None:
+        return {f"{prefix}.{expert}.{proj}_proj.weight": w}
+    if w.ndim != 3:
+        raise ValueError(f"GGUF tensor {m.string!r} has shape {w.shape}; expected [experts, out, in]")
+    return {f"{prefix}.{j}.{proj}_proj.weight": w[j] for j in range(len(w))}
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -116,11 +135,28 @@ def field_value(reader: GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
-def hf_config(reader: GGUFReader) -> dict:
-    """The file's model metadata as a transformers-style config dict."""
+def required_value(reader: GGUFReader, key: str):
+    """A metadata value the file must have (ValueError naming the key otherwise)."""
+    value = field_value(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF file has no {key}")
+    return value
+
+
+def gguf_architecture(reader: GGUFReader) -> str:
+    """The transformers architecture the file loads as (ValueError for one it cannot)."""
     arch = field_value(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch!r} in GGUF file; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    if arch == "llama" and field_value(reader, "llama.expert_count", 0):
+        return MIXTRAL
+    return GGUF_ARCHITECTURES[arch]
+
+
+def hf_config(reader: GGUFReader) -> dict:
+    """The file's model metadata as a transformers-style config dict."""
+    architecture = gguf_architecture(reader)
+    arch = field_value(reader, "general.architecture")
     if field_value(reader, f"{arch}.rope.scaling.type", "none") != "none" or any(
         t.name == "rope_freqs.weight" for t in reader.tensors
     ):
@@ -131,8 +167,8 @@ def hf_config(reader: GGUFReader) -> dict:
                 or field_value(reader, f"{arch}.rope.dimension_count")
                 or hidden // heads)
     config = {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": ARCHITECTURES[GGUF_ARCHITECTURES[arch]],
+        "architectures": [architecture],
+        "model_type": ARCHITECTURES[architecture],
         "vocab_size": field_value(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
         "hidden_size": hidden,
         "intermediate_size": field_value(reader, f"{arch}.feed_forward_length"),
@@ -149,7 +185,23 @@ def hf_config(reader: GGUFReader) -> dict:
     }
     if arch == "gemma3":
         config.update(_gemma3_fields(reader, head_dim))
+    elif architecture == MIXTRAL:
+        config.update(num_local_experts=field_value(reader, "llama.expert_count"),
+                      num_experts_per_tok=required_value(reader, "llama.expert_used_count"))
+    elif arch == "qwen3moe":
+        config.update(_qwen3moe_fields(reader))
     return config
+
+
+def _qwen3moe_fields(reader: GGUFReader) -> dict:
+    """Qwen3-MoE's experts. llama.cpp always renormalises their top-k weights for this architecture
+    (it stores no key for it; transformers' GGUF loader sets norm_topk_prob the same way)."""
+    return {
+        "num_experts": required_value(reader, "qwen3moe.expert_count"),
+        "num_experts_per_tok": required_value(reader, "qwen3moe.expert_used_count"),
+        "moe_intermediate_size": required_value(reader, "qwen3moe.expert_feed_forward_length"),
+        "norm_topk_prob": True,
+    }
 
 
 def _gemma3_fields(reader: GGUFReader, head_dim: int) -> dict:
@@ -157,11 +209,8 @@ def _gemma3_fields(reader: GGUFReader, head_dim: int) -> dict:
     to its whole context, the others to `attention.sliding_window` tokens with RoPE base 10,000,
     and queries are scaled by head_dim ** -0.5 (transformers' GGUF loader keeps its config's
     defaults, the same for every size but 27B)."""
-    window = field_value(reader, "gemma3.attention.sliding_window")
-    if window is None:
-        raise ValueError("GGUF Gemma 3 file has no gemma3.attention.sliding_window")
     return {
-        "sliding_window": window,
+        "sliding_window": required_value(reader, "gemma3.attention.sliding_window"),
         "sliding_window_pattern": 6,
         "rope_local_base_freq": 10000.0,
         "query_pre_attn_scalar": head_dim,
@@ -170,15 +219,20 @@ def _gemma3_fields(reader: GGUFReader, head_dim: int) -> dict:
 
 
 def read_tensors(reader: GGUFReader, config: dict) -> dict[str, np.ndarray]:
-    """All tensors, dequantized to float32, under transformers names.
+    """All tensors, dequantized to float32, under transformers names (stacked experts split into
+    one matrix per expert, as transformers' checkpoints store them).
 
-    llama.cpp stores Llama's Q and K rows permuted, and Gemma's RMSNorm weights with the 1 of
-    Gemma's (1 + w) already added: both undone here, as transformers' GGUF loader does."""
+    llama.cpp stores Llama's (and Mixtral's) Q and K rows permuted, and Gemma's RMSNorm weights with
+    the 1 of Gemma's (1 + w) already added: both undone here, as transformers' GGUF loader does."""
     arch = field_value(reader, "general.architecture")
     tensors = {}
     for t in reader.tensors:
-        name = hf_name(t.name, arch)
+        experts = _EXPERTS_RE.fullmatch(t.name)
+        name = None if experts else hf_name(t.name, arch)  # an unexpected name fails before any reading
         w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        if experts:
+            tensors.update(_expert_tensors(experts, w))
+            continue
         if arch == "llama" and ".q_proj." in name:
             w = _unpermute(w, config["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
