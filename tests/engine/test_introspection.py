@@ -11,7 +11,7 @@ from zipage_jax import LLM, SamplingParams
 BS = 16
 
 
-@pytest.mark.parametrize("profile", [True, False])
+@pytest.mark.parametrize("profile", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_introspection_reports_the_model_the_pool_and_the_compactions(llama_dir, profile):
     llm = LLM(str(llama_dir), kvcache_block_size=BS, num_kvcache_blocks=32, max_num_seqs=2,
               max_cache_blocks_per_seq=2, query_cache_len=8, profile_compaction=profile)

@@ -32,6 +32,7 @@ def _generate(llm: LLM, **params) -> list[dict]:
     return [o["outputs"][0] for o in outs]
 
 
+@pytest.mark.slow
 def test_sliding_layers_under_a_budget_generate_what_full_kv_does(gemma_models):
     llm = LLM(str(gemma_models[2]), **ENGINE)
     assert llm.engine.core.loaded.config.layer_windows == (WINDOW, WINDOW)
@@ -41,6 +42,7 @@ def test_sliding_layers_under_a_budget_generate_what_full_kv_does(gemma_models):
     assert [o["token_ids"] for o in budgeted] == [o["token_ids"] for o in full]
 
 
+@pytest.mark.slow
 def test_a_full_attention_layer_under_a_budget_loses_what_it_read(gemma_models):
     llm = LLM(str(gemma_models[3]), **ENGINE)
     assert llm.engine.core.loaded.config.layer_windows == (WINDOW, WINDOW, 0)

@@ -150,7 +150,7 @@ def test_logits_match_transformers(depth, tiny_model_factory, gemma_cache):
 
 
 @pytest.mark.parametrize(("depth", "backend"), [
-    pytest.param("5 layers", "xla", marks=pytest.mark.slow), ("9 layers", "xla"),
+    pytest.param("5 layers", "xla", marks=pytest.mark.slow), pytest.param("9 layers", "xla", marks=pytest.mark.slow),
     pytest.param("9 layers", "pallas-interpret", marks=pytest.mark.slow)])
 def test_engine_greedy_matches_transformers(depth, backend, tiny_model_factory, gemma_cache):
     from engine.tp_worker import use_backend

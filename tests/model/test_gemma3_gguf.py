@@ -167,6 +167,7 @@ def _installed_gemma(cache) -> str:
     return str(resolve_source(GEMMA, cache))
 
 
+@pytest.mark.slow
 def test_the_real_parts_assemble_to_the_pinned_gguf(tmp_path):
     path = _installed_gemma(tmp_path)
     with open(path, "rb") as f:
