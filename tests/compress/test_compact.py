@@ -189,6 +189,7 @@ def test_compress_step_donated_backends_agree():
             np.testing.assert_allclose(np.asarray(out[layer].scores), np.asarray(s), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_compress_step_moves_quantization_scales_with_their_tokens():
     cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4)
     case = make_case(7, cfg, 2)
@@ -209,6 +210,7 @@ def test_compress_step_moves_quantization_scales_with_their_tokens():
     np.testing.assert_array_equal(np.asarray(plain.keep), keep)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
 def test_compress_step_moves_int4_bytes_and_group_scales_with_their_tokens(backend):
     """An int4 pool (head_dim 64: packed [.., 32] uint8, float16 scales [.., 2]) and the float32

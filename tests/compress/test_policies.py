@@ -150,6 +150,7 @@ def test_window_keeps_the_recent_share_of_the_budget():
         assert keep[:, :4].all() and keep[:, -cfg.budget_tokens // 2:].all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["window", "vnorm-window", "rkv", "triattention"])
 def test_compress_pallas_matches_xla(policy):
     cfg = CaseConfig(budget_blocks=2, block_size=16, query_cache_len=4, eviction_policy=policy,
