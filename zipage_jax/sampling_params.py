@@ -149,7 +149,8 @@ class SamplingParams:
     kv_budget_max: int | None = None  # "auto": the most KV tokens kept; None = the engine's auto_budget_max
     eviction_policy: str | None = None  # this request's eviction rule (compress/policies.py); None = the engine's
     # The prompt is kept whole, outside kv_budget: the sequence holds its prompt plus kv_budget tokens
-    # (TensorRT-LLM's TriAttention keeps prompts this way); False: kv_budget bounds the prompt too.
+    # (TensorRT-LLM's TriAttention keeps prompts this way), or with "auto" plus an automatic budget
+    # sized on what it generates; False: kv_budget bounds the prompt too.
     keep_prompt: bool = False
     # A prompt longer than kv_budget: "bounded" compacts between prefill chunks (peak: budget + one chunk),
     # "deferred" once at the prompt's end (peak: the whole prompt); None: the engine's prompt_compression.
@@ -181,8 +182,6 @@ class SamplingParams:
         if self.kv_budget_max is not None and self.kv_budget not in ("auto", None):
             raise ValueError("kv_budget_max bounds an automatic budget: set kv_budget=\"auto\" (or leave it to "
                              "an engine whose default is automatic)")
-        if self.kv_budget == "auto" and self.keep_prompt:
-            raise ValueError("keep_prompt needs a fixed kv_budget: an automatic budget sizes the prompt's share itself")
         if self.eviction_policy is not None:
             get_policy(self.eviction_policy)
         object.__setattr__(self, "forced_token_ids", _token_ids("forced_token_ids", self.forced_token_ids))

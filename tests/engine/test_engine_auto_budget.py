@@ -100,7 +100,6 @@ def test_bad_automatic_budgets_are_refused(engines):
             llm.generate([[5, 6]], SamplingParams(max_tokens=2, **params), use_tqdm=False)
     for params, match in ((dict(kv_budget="most"), "token count or \"auto\""),
                           (dict(kv_budget=64, kv_budget_max=128), "kv_budget_max bounds an automatic budget"),
-                          (dict(kv_budget="auto", keep_prompt=True), "keep_prompt needs a fixed kv_budget"),
                           (dict(kv_budget="auto", kv_budget_max=0), "kv_budget_max")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(**params)
@@ -113,3 +112,11 @@ def test_the_engine_default_can_be_automatic(llama_dir):
     assert generate(llm, PROMPTS[:1], kv_budget=0)[0]["metrics"]["kv_budget_tokens"] == 0
     with pytest.raises(ValueError, match="two default budgets"):
         LLM(str(llama_dir), auto_budget=True, max_cache_blocks_per_seq=4, **OPTIONS)
+
+
+def test_a_prompt_kept_whole_must_leave_room_for_the_automatic_budget(llama_dir):
+    llm = LLM(str(llama_dir), num_kvcache_blocks=12, **OPTIONS)
+    params = SamplingParams(max_tokens=2, kv_budget="auto", keep_prompt=True)
+    with pytest.raises(ValueError, match="kept whole \\(keep_prompt\\) leaves no block"):
+        llm.generate([list(range(3, 173))], params, use_tqdm=False)  # 11 blocks of the pool's 11
+    assert len(llm.generate([list(range(3, 40))], params, use_tqdm=False)[0]["outputs"][0]["token_ids"]) == 2

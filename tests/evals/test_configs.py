@@ -19,19 +19,23 @@ def test_configs_are_validated():
 
 
 def test_config_pairs_are_parsed_and_validated():
-    got = configs.parse_configs(["streaming@64", "zipage@128", "vnorm-prompt@auto"])
-    assert [(c.policy, c.budget) for c in got] == [("full", 0), ("streaming", 64), ("zipage", 128),
-                                                   ("vnorm-prompt", "auto")]
+    got = configs.parse_configs(["streaming@64", "zipage@128", "vnorm-prompt@auto", "vnorm-prompt@auto+keep_prompt"])
+    assert [(c.policy, c.budget, c.keep_prompt) for c in got] == [
+        ("full", 0, False), ("streaming", 64, False), ("zipage", 128, False), ("vnorm-prompt", "auto", False),
+        ("vnorm-prompt", "auto", True)]
+    assert [c.name for c in got[-2:]] == ["vnorm-prompt@auto", "vnorm-prompt@auto+keep_prompt"]
     for bad, match in (("streaming", "POLICY@BUDGET"), ("nope@64", "unknown policy"), ("zipage@-3", "POLICY@BUDGET"),
-                       ("zipage@0", "positive token counts")):
+                       ("zipage@0", "positive token counts"), ("zipage@64+keep", "POLICY@BUDGET"),
+                       ("zipage+keep_prompt", "POLICY@BUDGET")):
         with pytest.raises(ValueError, match=match):
             configs.parse_configs([bad])
 
 
 def test_sampling_params_carry_the_budget():
-    full, auto, fixed = configs.parse_configs(["zipage@auto", "streaming@64"])
+    full, auto, fixed, kept = configs.parse_configs(["zipage@auto", "streaming@64", "streaming@64+keep_prompt"])
     assert (full.sampling_params(8).kv_budget, full.sampling_params(8).eviction_policy) == (0, None)
     assert (auto.sampling_params(8).kv_budget, auto.sampling_params(8).eviction_policy) == ("auto", "zipage")
-    p = fixed.sampling_params(8, keep_prompt=True)
+    assert not any(c.sampling_params(8).keep_prompt for c in (full, auto, fixed))
+    p = kept.sampling_params(8)
     assert (p.kv_budget, p.keep_prompt, p.temperature, p.max_tokens) == (64, True, 0.0, 8)
-    assert not full.sampling_params(8, keep_prompt=True).keep_prompt
+    assert [c.keep_prompt for c in configs.configs(["zipage"], [64, "auto"], keep_prompt=True)] == [False, True, True]

@@ -23,7 +23,7 @@ def base(model) -> dict:
     return next(body for parent, body in BASE.items() if issubclass(model, parent))
 
 # A value other than the default for every field a request copies into SamplingParams (in two
-# requests: kv_budget_max bounds an automatic budget, keep_prompt needs a fixed one).
+# requests: kv_budget_max bounds an automatic budget, keep_prompt goes with either).
 COMMON = {
     "n": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "repetition_penalty": 1.2,
     "presence_penalty": 0.5, "frequency_penalty": -0.5, "seed": 11, "stop": ["END"], "stop_token_ids": [5],

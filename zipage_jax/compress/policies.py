@@ -139,11 +139,16 @@ class KVBudget:
     deferred: bool = False  # a long prompt compacts once, at its end, not between chunks (engine/prompt_compaction.py)
     auto: AutoBudget | None = None  # kv_budget="auto": `blocks` changes at each compaction point
     options: PolicyOptions | None = None  # what `resized` resolves with (automatic budgets)
+    prompt_on_top: int = 0  # keep_prompt: the prompt's tokens, kept whole beside the budget
 
     def resized(self, blocks: int, block_size: int, query_cache_len: int) -> KVBudget:
-        """This automatic budget at `blocks` blocks: its protected tokens follow its size."""
-        return dataclasses.replace(resolve_budget(self.policy, self.options, blocks, block_size, query_cache_len),
-                                   deferred=self.deferred, auto=self.auto, options=self.options)
+        """This automatic budget at `blocks` blocks in all: its protected tokens follow its size
+        (with keep_prompt, the size of what it keeps beside the prompt)."""
+        prompt_blocks = -(-self.prompt_on_top // block_size)
+        budget = resolve_budget(self.policy, self.options, blocks - prompt_blocks, block_size, query_cache_len)
+        if self.prompt_on_top:
+            budget = keep_prompt_on_top(budget, self.prompt_on_top, block_size)
+        return dataclasses.replace(budget, deferred=self.deferred, auto=self.auto, options=self.options)
 
 
 def resolve_budget(policy: Policy, options: PolicyOptions, blocks: int, block_size: int,
@@ -158,6 +163,14 @@ def resolve_budget(policy: Policy, options: PolicyOptions, blocks: int, block_si
         raise ValueError(f"kv_budget of {tokens} tokens cannot hold the {protected} tokens policy "
                          f"{policy.name!r} protects (sinks, recent window and prompt reserve)")
     return KVBudget(policy, blocks, tokens, options.sinks, recent, reserve)
+
+
+def keep_prompt_on_top(budget: KVBudget, prompt_len: int, block_size: int) -> KVBudget:
+    """`budget` with the prompt kept whole beside it (keep_prompt): its blocks plus the prompt's
+    (rounded up), every prompt token in the prompt reserve."""
+    blocks = budget.blocks + -(-prompt_len // block_size)
+    return dataclasses.replace(budget, blocks=blocks, tokens=blocks * block_size,
+                               prompt_reserve=max(prompt_len, budget.sinks), prompt_on_top=prompt_len)
 
 
 class CompressRows(NamedTuple):

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from zipage_jax.compress import auto_budget
-from zipage_jax.compress.policies import POLICIES, KVBudget, Policy, PolicyOptions, Score, resolve_budget
+from zipage_jax.compress.policies import (
+    POLICIES,
+    KVBudget,
+    Policy,
+    PolicyOptions,
+    Score,
+    keep_prompt_on_top,
+    resolve_budget,
+)
 from zipage_jax.config import EngineConfig
 from zipage_jax.engine.grammar import GrammarCompiler
 from zipage_jax.engine.pool_plan import KVPoolPlan
@@ -119,19 +127,18 @@ class Admission:
             return None
         policy = POLICIES[params.eviction_policy or config.eviction_policy]
         options = policy.options(config.sink_len, config.recent_fraction, config.prompt_fraction)
+        on_top = prompt_len if params.keep_prompt else 0  # the prompt kept whole beside the budget
         if params.kv_budget == "auto" or (params.kv_budget is None and config.auto_budget):
-            budget = self._auto_budget(params, policy, options, prompt_len)
-            blocks = budget.blocks
+            budget = self._auto_budget(params, policy, options, prompt_len, on_top)
         else:
             blocks = config.max_cache_blocks_per_seq if params.kv_budget is None else -(-params.kv_budget // bs)
             if blocks is None:
                 return None
             self._check_window(f"kv_budget {params.kv_budget}", blocks * bs)
             budget = resolve_budget(policy, options, blocks, bs, config.query_cache_len)
-        if params.keep_prompt:  # the prompt on top: a reserve that holds all of it
-            blocks = -(-(prompt_len + budget.tokens) // bs)
-            budget = dataclasses.replace(budget, blocks=blocks, tokens=blocks * bs,
-                                         prompt_reserve=max(prompt_len, budget.sinks))
+            if on_top:
+                budget = keep_prompt_on_top(budget, on_top, bs)
+        blocks = budget.blocks
         deferred = (params.prompt_compression or config.prompt_compression) == "deferred"
         budget = dataclasses.replace(budget, deferred=deferred)
         peak = self.prompt.peak_blocks(blocks, prompt_len, deferred)
@@ -145,11 +152,14 @@ class Admission:
         return budget
 
     def _auto_budget(self, params: SamplingParams, policy: Policy, options: PolicyOptions,
-                     prompt_len: int) -> KVBudget:
+                     prompt_len: int, on_top: int) -> KVBudget:
         """An automatic budget (compress/auto_budget.py): bounds from the engine's auto_budget_min
         (or with auto_budget_keeps_prompt the prompt's tokens, if more) and auto_budget_max (or the
-        request's kv_budget_max, within the pool), starting at the prompt's blocks within them."""
+        request's kv_budget_max, within the pool), starting at the prompt's blocks within them.
+        With `on_top` (keep_prompt) the bounds are of what it keeps beside the prompt, which it
+        keeps whole on top, and it starts at its floor."""
         config, bs, ql = self.config, self.pool.block_size, self.config.query_cache_len
+        prompt_blocks = -(-on_top // bs)
         if policy.score in (Score.POSITION, Score.FUTURE):
             raise ValueError(f"kv_budget=\"auto\" measures the attention a compaction would evict; policy "
                              f"{policy.name!r} does not rank tokens by their observed attention")
@@ -157,7 +167,10 @@ class Admission:
         if ceiling < config.auto_budget_min:
             raise ValueError(f"kv_budget_max={ceiling} is below this engine's auto_budget_min={config.auto_budget_min}")
         self._check_window(f"{'kv_budget_max' if params.kv_budget_max else 'auto_budget_max'} {ceiling}", ceiling)
-        ceiling = min(ceiling, (self.pool.num_usable_blocks - 1) * bs)
+        ceiling = min(ceiling, (self.pool.num_usable_blocks - 1 - prompt_blocks) * bs)
+        if on_top and ceiling < bs:
+            raise ValueError(f"a prompt of {prompt_len} tokens kept whole (keep_prompt) leaves no block of the "
+                             f"KV pool for its automatic budget")
         if ceiling < self.sliding_window:
             raise ValueError(f"the model's sliding window {self.sliding_window} does not fit in the KV pool "
                              f"({ceiling} tokens per sequence)")
@@ -170,11 +183,16 @@ class Admission:
             return True
 
         # the floor is raised to the sliding window (a ceiling below it was refused above)
-        floor = max(config.auto_budget_min, self.sliding_window, prompt_len if config.auto_budget_keeps_prompt else 0)
+        keeps_prompt = config.auto_budget_keeps_prompt and not on_top
+        floor = max(config.auto_budget_min, self.sliding_window, prompt_len if keeps_prompt else 0)
         auto = auto_budget.bounds(min(floor, ceiling), ceiling, config.auto_budget_min,
                                   config.auto_budget_threshold, bs, holds_protected)
-        blocks = min(auto.ceiling, max(auto.floor, -(-prompt_len // bs)))
-        return dataclasses.replace(resolve_budget(policy, options, blocks, bs, ql), auto=auto, options=options)
+        blocks = auto.floor if on_top else min(auto.ceiling, max(auto.floor, -(-prompt_len // bs)))
+        budget = resolve_budget(policy, options, blocks, bs, ql)
+        if on_top:
+            budget = keep_prompt_on_top(budget, on_top, bs)
+            auto = dataclasses.replace(auto, floor=auto.floor + prompt_blocks, ceiling=auto.ceiling + prompt_blocks)
+        return dataclasses.replace(budget, auto=auto, options=options)
 
     def _check_window(self, budget: str, tokens: int) -> None:
         """ValueError naming `budget` when its `tokens` cannot hold the model's sliding window: a

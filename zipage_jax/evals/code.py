@@ -70,12 +70,11 @@ def program(problem: HumanEvalProblem, code: str) -> str:
 
 
 def generate_answers(llm, problems: Sequence[HumanEvalProblem], eval_configs: Sequence[EvalConfig], max_tokens: int,
-                     use_tqdm: bool = True, keep_prompt: bool = False) -> dict[tuple[str, str], dict]:
-    """(config name, task id) -> the engine's output dict, every pair in one generate call;
-    `keep_prompt` gives every budgeted request its whole prompt on top of its budget."""
+                     use_tqdm: bool = True) -> dict[tuple[str, str], dict]:
+    """(config name, task id) -> the engine's output dict, every pair in one generate call."""
     prompts = {p.task_id: llm.apply_chat_template(messages(p)) for p in problems}
     pairs = [(c, p) for p in problems for c in eval_configs]  # a problem's configs together: its prefix is shared
-    params = [c.sampling_params(max_tokens, keep_prompt) for c, _ in pairs]
+    params = [c.sampling_params(max_tokens) for c, _ in pairs]
     outputs = llm.generate([prompts[p.task_id] for _, p in pairs], params, use_tqdm=use_tqdm)
     return {(c.name, p.task_id): out for (c, p), out in zip(pairs, outputs, strict=True)}
 
@@ -111,18 +110,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", nargs="+", type=parse_budget, default=list(DEFAULT_BUDGETS),
                         help="kv_budget tokens, or auto")
     parser.add_argument("--configs", nargs="+", default=None, metavar="POLICY@BUDGET",
-                        help="these pairs instead of every policy at every budget (full KV always runs)")
+                        help="these pairs instead of every policy at every budget (full KV always runs); "
+                             "POLICY@BUDGET+keep_prompt keeps each prompt whole beside the budget")
     parser.add_argument("--limit", type=int, default=None, help="at most this many problems per split")
     parser.add_argument("--max-tokens", type=int, default=512)
     add_engine_arguments(parser)
-    parser.add_argument("--keep-prompt", action="store_true", help="keep each prompt whole, beside its budget")
+    parser.add_argument("--keep-prompt", action="store_true",
+                        help="--policies x --budgets with each prompt kept whole beside its budget "
+                             "(with --configs: POLICY@BUDGET+keep_prompt)")
     parser.add_argument("--task-ids", nargs="+", default=None, help="only these problems (e.g. HumanEval/0)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the summary and every answer to this file")
 
 
 def run(args: argparse.Namespace) -> int:
     policies = list(POLICIES) if args.policies == ["all"] else args.policies
-    eval_configs = configs(policies, args.budgets) if args.configs is None else parse_configs(args.configs)
+    if args.configs is not None and args.keep_prompt:
+        raise SystemExit("--keep-prompt goes with --policies and --budgets; with --configs write "
+                         "POLICY@BUDGET+keep_prompt")
+    eval_configs = (configs(policies, args.budgets, args.keep_prompt) if args.configs is None
+                    else parse_configs(args.configs))
     problems = humaneval_problems(SPLITS if args.split == "both" else (args.split,), args.limit)
     if args.task_ids is not None:
         unknown = set(args.task_ids) - {p.task_id for p in problems}
@@ -130,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--task-ids not among the chosen problems: {', '.join(sorted(unknown))}")
         problems = [p for p in problems if p.task_id in set(args.task_ids)]
     llm = build_llm(args.model, **engine_overrides(args))
-    answers = generate_answers(llm, problems, eval_configs, args.max_tokens, keep_prompt=args.keep_prompt)
+    answers = generate_answers(llm, problems, eval_configs, args.max_tokens)
     statuses = grade(problems, answers)
     table = summary(problems, eval_configs, answers, statuses, llm.engine.config.kvcache_block_size)
     print(format_table(table, args.max_tokens))

@@ -16,6 +16,7 @@ from zipage_jax.compress.auto_budget import AUTO, parse_budget
 from zipage_jax.compress.policies import POLICIES
 
 FULL_KV = "full"
+KEEP_PROMPT = "+keep_prompt"  # a config's suffix: the prompt kept whole beside its budget
 Budget = int | str  # tokens, or AUTO
 
 
@@ -23,21 +24,24 @@ Budget = int | str  # tokens, or AUTO
 class EvalConfig:
     policy: str  # FULL_KV or an eviction policy
     budget: Budget  # kv_budget: tokens or "auto"; 0 with FULL_KV
+    keep_prompt: bool = False  # SamplingParams.keep_prompt
 
     @property
     def name(self) -> str:
-        return FULL_KV if self.policy == FULL_KV else f"{self.policy}@{self.budget}"
+        if self.policy == FULL_KV:
+            return FULL_KV
+        return f"{self.policy}@{self.budget}{KEEP_PROMPT if self.keep_prompt else ''}"
 
-    def sampling_params(self, max_tokens: int, keep_prompt: bool = False):
+    def sampling_params(self, max_tokens: int):
         """Greedy decoding under this config's budget and policy."""
         from zipage_jax import SamplingParams
 
         full = self.policy == FULL_KV
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, kv_budget=self.budget,
-                              eviction_policy=None if full else self.policy, keep_prompt=keep_prompt and not full)
+                              eviction_policy=None if full else self.policy, keep_prompt=self.keep_prompt)
 
 
-def configs(policies: Sequence[str], budgets: Sequence[Budget]) -> list[EvalConfig]:
+def configs(policies: Sequence[str], budgets: Sequence[Budget], keep_prompt: bool = False) -> list[EvalConfig]:
     """Full KV, then every policy at every budget."""
     for policy in policies:
         if policy not in POLICIES:
@@ -45,18 +49,20 @@ def configs(policies: Sequence[str], budgets: Sequence[Budget]) -> list[EvalConf
     for budget in budgets:
         if budget != AUTO and (not isinstance(budget, int) or budget < 1):
             raise ValueError(f"budgets must be positive token counts or {AUTO!r}, got {budget!r}")
-    return [EvalConfig(FULL_KV, 0)] + [EvalConfig(p, b) for p in policies for b in budgets]
+    return [EvalConfig(FULL_KV, 0)] + [EvalConfig(p, b, keep_prompt) for p in policies for b in budgets]
 
 
 def parse_configs(pairs: Sequence[str]) -> list[EvalConfig]:
-    """Full KV, then each "policy@budget" pair, validated as `configs` validates."""
+    """Full KV, then each "policy@budget[+keep_prompt]", validated as `configs` validates."""
     out = [EvalConfig(FULL_KV, 0)]
     for pair in pairs:
-        policy, _, budget = pair.partition("@")
+        keep_prompt = pair.endswith(KEEP_PROMPT)
+        policy, _, budget = pair.removesuffix(KEEP_PROMPT).partition("@")
         try:
-            out += configs([policy], [parse_budget(budget)])[1:]  # 0 is refused there
+            out += configs([policy], [parse_budget(budget)], keep_prompt)[1:]  # 0 is refused there
         except ValueError as exc:
-            raise ValueError(f"a config is POLICY@BUDGET (e.g. vnorm-prompt@128 or vnorm-prompt@auto), "
+            raise ValueError(f"a config is POLICY@BUDGET, or POLICY@BUDGET{KEEP_PROMPT} to keep the prompt whole "
+                             f"beside the budget (e.g. vnorm-prompt@128 or vnorm-prompt@auto{KEEP_PROMPT}), "
                              f"got {pair!r}: {exc}") from exc
     return out
 
