@@ -40,13 +40,22 @@ def test_a_lenient_threshold_keeps_the_floor(engines):
         assert m["kv_blocks_peak"] <= -(-(len(PROMPTS[-1]) + 1) // 16) + 1  # it starts at its prompt's blocks
 
 
-def test_a_budget_that_keeps_its_prompt(llama_dir):
+def test_an_engine_whose_automatic_budgets_keep_their_prompts(llama_dir):
+    """auto_budget_keeps_prompt: every automatic budget as with keep_prompt=True, the prompt whole
+    beside its floor (a lenient threshold), fixed budgets unchanged."""
     llm = LLM(str(llama_dir), num_kvcache_blocks=128, auto_budget_threshold=0.99, auto_budget_keeps_prompt=True,
               **OPTIONS)
-    prompts = [PROMPTS[0], PROMPTS[0] * 3]  # 20 and 60 tokens
+    prompts = [PROMPTS[0], PROMPTS[0] * 3]  # 20 and 60 tokens: 2 and 4 blocks
     outs = generate(llm, prompts, kv_budget="auto", kv_budget_max=96)
-    assert [o["metrics"]["kv_budget_tokens"] for o in outs] == [32, 64]  # the floor, or the prompt's blocks
+    assert [o["metrics"]["kv_budget_tokens"] for o in outs] == [(2 + 2) * 16, (4 + 2) * 16]  # prompt + the floor
     assert all(o["metrics"]["num_compressions"] > 0 for o in outs)
+    asking = LLM(str(llama_dir), num_kvcache_blocks=128, auto_budget_threshold=0.99, **OPTIONS)
+    asked = generate(asking, prompts, kv_budget="auto", kv_budget_max=96, keep_prompt=True)
+    assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in asked]
+    unasked = generate(asking, prompts, kv_budget="auto", kv_budget_max=96)  # positive control
+    assert [o["metrics"]["kv_budget_tokens"] for o in unasked] == [32, 32]
+    fixed = generate(llm, prompts[:1], kv_budget=32)[0]["metrics"]
+    assert fixed["kv_budget_tokens"] == 32
 
 
 def test_a_budget_that_never_reaches_its_ceiling_is_full_kv(engines):

@@ -129,6 +129,7 @@ class Admission:
         options = policy.options(config.sink_len, config.recent_fraction, config.prompt_fraction)
         on_top = prompt_len if params.keep_prompt else 0  # the prompt kept whole beside the budget
         if params.kv_budget == "auto" or (params.kv_budget is None and config.auto_budget):
+            on_top = prompt_len if config.auto_budget_keeps_prompt else on_top
             budget = self._auto_budget(params, policy, options, prompt_len, on_top)
         else:
             blocks = config.max_cache_blocks_per_seq if params.kv_budget is None else -(-params.kv_budget // bs)
@@ -154,10 +155,10 @@ class Admission:
     def _auto_budget(self, params: SamplingParams, policy: Policy, options: PolicyOptions,
                      prompt_len: int, on_top: int) -> KVBudget:
         """An automatic budget (compress/auto_budget.py): bounds from the engine's auto_budget_min
-        (or with auto_budget_keeps_prompt the prompt's tokens, if more) and auto_budget_max (or the
-        request's kv_budget_max, within the pool), starting at the prompt's blocks within them.
-        With `on_top` (keep_prompt) the bounds are of what it keeps beside the prompt, which it
-        keeps whole on top, and it starts at its floor."""
+        and auto_budget_max (or the request's kv_budget_max, within the pool), starting at the
+        prompt's blocks within them. With `on_top` (keep_prompt, auto_budget_keeps_prompt) the
+        bounds are of what it keeps beside the prompt, which it keeps whole, and it starts at its
+        floor."""
         config, bs, ql = self.config, self.pool.block_size, self.config.query_cache_len
         prompt_blocks = -(-on_top // bs)
         if policy.score in (Score.POSITION, Score.FUTURE):
@@ -183,8 +184,7 @@ class Admission:
             return True
 
         # the floor is raised to the sliding window (a ceiling below it was refused above)
-        keeps_prompt = config.auto_budget_keeps_prompt and not on_top
-        floor = max(config.auto_budget_min, self.sliding_window, prompt_len if keeps_prompt else 0)
+        floor = max(config.auto_budget_min, self.sliding_window)
         auto = auto_budget.bounds(min(floor, ceiling), ceiling, config.auto_budget_min,
                                   config.auto_budget_threshold, bs, holds_protected)
         blocks = auto.floor if on_top else min(auto.ceiling, max(auto.floor, -(-prompt_len // bs)))

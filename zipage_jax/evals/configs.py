@@ -125,7 +125,7 @@ ENGINE_OVERRIDES = {"sink_len": (int, "override every policy's sinks"),
                     "auto_budget_threshold": (float, "auto budgets: the largest attention share a compaction evicts"),
                     "auto_budget_min": (int, "auto budgets: the fewest tokens kept, and the growth step"),
                     "auto_budget_max": (int, "auto budgets: the most tokens kept"),
-                    "auto_budget_keeps_prompt": (_flag, "auto budgets: never fewer tokens than the prompt's "
+                    "auto_budget_keeps_prompt": (_flag, "auto budgets: the prompt kept whole beside them "
                                                         "(true/false)")}
 
 
