@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -54,6 +55,15 @@ def private_cache(tmp_path_factory) -> Path:
     mp.setenv("ZIPAGE_JAX_CACHE", str(directory))
     yield directory
     mp.undo()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def xla_flags_unchanged():
+    """No test module leaves XLA_FLAGS changed: every process a later test starts inherits it (a
+    device count meant for one worker would give every later server several devices)."""
+    before = os.environ.get("XLA_FLAGS")
+    yield
+    assert os.environ.get("XLA_FLAGS") == before, f"XLA_FLAGS changed to {os.environ.get('XLA_FLAGS')!r}"
 
 
 @pytest.fixture(scope="module", autouse=True)

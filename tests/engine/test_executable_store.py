@@ -3,7 +3,12 @@ tokens; anything that shapes a program changes the key; a damaged entry compiles
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 from zipage_jax import LLM, SamplingParams
@@ -62,6 +67,37 @@ def test_a_restart_loads_every_program_and_decodes_the_same_tokens(llama_dir, tm
                for r in again.engine.core.runner.records)
     stats = again.engine.get_stats()
     assert stats.num_programs_loaded == stats.num_compiles == built["compiled"] and stats.compile_seconds > 0
+
+
+RESTART_ON_SEVERAL_DEVICES = """
+import json, sys
+import jax
+from zipage_jax import LLM, SamplingParams
+options = json.loads(sys.argv[3])
+params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+runs = []
+for _ in range(2):  # the second engine loads the first one's programs
+    llm = LLM(sys.argv[1], compilation_cache_dir=sys.argv[2], **options)
+    tokens = [r["token_ids"] for r in llm.generate(json.loads(sys.argv[4]), params, use_tqdm=False)]
+    runs.append({"tokens": tokens, "origins": sorted({r.origin for r in llm.engine.core.runner.records})})
+print(json.dumps({"devices": jax.device_count(), "runs": runs}))
+"""
+
+
+def test_a_restart_on_a_machine_of_several_devices_loads_onto_the_engines_device(llama_dir, tmp_path):
+    """One device of four: the stored programs load onto the engine's device, not onto every one."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = (re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+                        + " --xla_force_host_platform_device_count=4")
+    run = subprocess.run([sys.executable, "-c", RESTART_ON_SEVERAL_DEVICES, str(llama_dir), str(tmp_path / "store"),
+                          json.dumps(OPTIONS), json.dumps(PROMPTS)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    first, again = out["runs"]
+    assert out["devices"] == 4
+    assert first["origins"] == ["compiled"] and again["origins"] == ["loaded"]
+    assert again["tokens"] == first["tokens"]
 
 
 def test_what_shapes_a_program_changes_the_key(llama_dir, tmp_path, monkeypatch):

@@ -55,7 +55,7 @@ def model_6_2(tiny_model_factory) -> Path:
 def _env(cache_dir: Path) -> dict:
     env = {**os.environ, "ZIPAGE_JAX_CACHE": str(cache_dir), "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")) if p)
     return env
 
 

@@ -21,9 +21,9 @@ import re  # noqa: E402
 
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
+from runner_backend import use_backend  # noqa: E402
 
 from zipage_jax import LLM  # noqa: E402
-from zipage_jax.backend import Backend  # noqa: E402
 from zipage_jax.crosscheck.tp import greedy_tokens  # noqa: E402
 from zipage_jax.models.weights import param_key  # noqa: E402
 
@@ -44,14 +44,6 @@ def collectives(steps) -> dict[str, dict[str, list[str]]]:
             ops.setdefault(op, []).append(shape.split("{")[0])
         out[" ".join(map(str, key))] = ops
     return out
-
-
-def use_backend(runner, backend: str) -> None:
-    """Switches a fresh runner's attention / compression backend (pallas-interpret is not an
-    EngineConfig choice: it only exists for tests on CPU)."""
-    assert runner.num_compiles == 0, "switch the backend before anything compiles"
-    runner.inputs.backend = backend = Backend.parse(backend)
-    runner.forward.layers.static["backend"] = runner.compressor.static["backend"] = backend
 
 
 def count_compiles(workload) -> int:

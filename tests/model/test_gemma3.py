@@ -153,7 +153,7 @@ def test_logits_match_transformers(depth, tiny_model_factory, gemma_cache):
     pytest.param("5 layers", "xla", marks=pytest.mark.slow), pytest.param("9 layers", "xla", marks=pytest.mark.slow),
     pytest.param("9 layers", "pallas-interpret", marks=pytest.mark.slow)])
 def test_engine_greedy_matches_transformers(depth, backend, tiny_model_factory, gemma_cache):
-    from engine.tp_worker import use_backend
+    from runner_backend import use_backend
 
     path = str(tiny_model_factory("gemma3", **DEPTHS[depth]))
     llm = LLM(path, **ENGINE)

@@ -174,7 +174,7 @@ def test_logits_match_transformers(tiny_model_factory, gpt_oss_cache):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["xla", "pallas-interpret"])
 def test_engine_greedy_matches_transformers(backend, tiny_model_factory, gpt_oss_cache):
-    from engine.tp_worker import use_backend
+    from runner_backend import use_backend
 
     path = str(tiny_model_factory("gpt_oss"))
     llm = LLM(path, **ENGINE)

@@ -103,15 +103,18 @@ def engine_store(config: EngineConfig, model_config: ModelConfig, params: object
     if root is None or jax.process_count() > 1:
         return None
     shapes = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)]
-    return ExecutableStore(root / program_key(config, model_config, shapes,
-                                              jax.devices()[:config.tensor_parallel_size]))
+    devices = jax.devices()[:config.tensor_parallel_size]
+    return ExecutableStore(root / program_key(config, model_config, shapes, devices), devices)
 
 
 class ExecutableStore:
-    """One directory of serialized executables, a file per (program name, shape bucket)."""
+    """One directory of serialized executables, a file per (program name, shape bucket), loaded
+    onto the engine's `devices` (by default JAX would load them onto every device it sees, and a
+    one-device program on a machine of several then asks for a shard per device)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, devices: list):
         self.directory = directory
+        self.devices = devices
 
     def _path(self, name: str, key: tuple) -> Path:
         return self.directory / (f"{name}-" + "-".join(str(k).replace(" ", "_") for k in key) + ".bin")
@@ -123,7 +126,8 @@ class ExecutableStore:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                             execution_devices=self.devices)
         except Exception as exc:  # noqa: BLE001 - a stale or damaged entry is compiled again
             logger.warning("could not load the stored %s program %s (%s): compiling it", name, key, exc)
             return None
