@@ -60,9 +60,10 @@ class EngineConfig:
                                                     "attention a compaction may evict")
     auto_budget_min: int = option(64, doc="kv_budget=\"auto\": the fewest KV tokens a sequence keeps, and the "
                                           "tokens its budget grows by (rounded up to blocks)")
-    auto_budget_keeps_prompt: bool = option(False, doc="kv_budget=\"auto\": keep the prompt whole beside the "
-                                                       "automatic budget, as SamplingParams.keep_prompt does, so that "
-                                                       "the budget sizes only what the request generates")
+    auto_budget_keeps_prompt: bool = option(True, doc="kv_budget=\"auto\": keep the prompt whole beside the "
+                                                      "automatic budget, so that it sizes only what the request "
+                                                      "generates (memory: the prompt plus at most auto_budget_max); "
+                                                      "a request's keep_prompt overrides it")
     auto_budget_max: int = option(2048, doc="kv_budget=\"auto\": the most KV tokens a sequence keeps (rounded "
                                             "down to blocks); SamplingParams.kv_budget_max overrides it")
     query_cache_len: int = option(16, doc="the last queries of a sequence kept to score its tokens (at most "

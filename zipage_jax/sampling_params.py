@@ -150,8 +150,9 @@ class SamplingParams:
     eviction_policy: str | None = None  # this request's eviction rule (compress/policies.py); None = the engine's
     # The prompt is kept whole, outside kv_budget: the sequence holds its prompt plus kv_budget tokens
     # (TensorRT-LLM's TriAttention keeps prompts this way), or with "auto" plus an automatic budget
-    # sized on what it generates; False: kv_budget bounds the prompt too.
-    keep_prompt: bool = False
+    # sized on what it generates; False: kv_budget bounds the prompt too; None: the engine's
+    # auto_budget_keeps_prompt for an automatic budget, False for a fixed one.
+    keep_prompt: bool | None = None
     # A prompt longer than kv_budget: "bounded" compacts between prefill chunks (peak: budget + one chunk),
     # "deferred" once at the prompt's end (peak: the whole prompt); None: the engine's prompt_compression.
     prompt_compression: str | None = None
@@ -173,7 +174,7 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "keep_prompt"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool) and not (name == "keep_prompt" and self.keep_prompt is None):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.prompt_compression not in (None, "bounded", "deferred"):
             raise ValueError(f"prompt_compression must be bounded or deferred, got {self.prompt_compression!r}")

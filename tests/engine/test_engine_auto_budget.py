@@ -8,8 +8,9 @@ import pytest
 
 from zipage_jax import LLM, SamplingParams
 
-OPTIONS = dict(kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
-               auto_budget_min=32, compilation_cache_dir="")
+DEFAULTS = dict(kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                auto_budget_min=32, compilation_cache_dir="")
+OPTIONS = {**DEFAULTS, "auto_budget_keeps_prompt": False}  # the automatic budget bounds the prompt too
 PROMPTS = [[(7 * i + j) % 300 + 3 for i in range(20 + 3 * j)] for j in range(4)]
 
 
@@ -40,22 +41,25 @@ def test_a_lenient_threshold_keeps_the_floor(engines):
         assert m["kv_blocks_peak"] <= -(-(len(PROMPTS[-1]) + 1) // 16) + 1  # it starts at its prompt's blocks
 
 
-def test_an_engine_whose_automatic_budgets_keep_their_prompts(llama_dir):
-    """auto_budget_keeps_prompt: every automatic budget as with keep_prompt=True, the prompt whole
-    beside its floor (a lenient threshold), fixed budgets unchanged."""
-    llm = LLM(str(llama_dir), num_kvcache_blocks=128, auto_budget_threshold=0.99, auto_budget_keeps_prompt=True,
-              **OPTIONS)
+def test_automatic_budgets_keep_their_prompts_by_default(llama_dir):
+    """By default an automatic budget keeps the prompt whole beside its floor (a lenient
+    threshold), as keep_prompt=True does; keep_prompt=False, or the engine option off, bounds the
+    prompt too; fixed budgets are unchanged."""
+    llm = LLM(str(llama_dir), num_kvcache_blocks=128, auto_budget_threshold=0.99, **DEFAULTS)
     prompts = [PROMPTS[0], PROMPTS[0] * 3]  # 20 and 60 tokens: 2 and 4 blocks
     outs = generate(llm, prompts, kv_budget="auto", kv_budget_max=96)
     assert [o["metrics"]["kv_budget_tokens"] for o in outs] == [(2 + 2) * 16, (4 + 2) * 16]  # prompt + the floor
     assert all(o["metrics"]["num_compressions"] > 0 for o in outs)
-    asking = LLM(str(llama_dir), num_kvcache_blocks=128, auto_budget_threshold=0.99, **OPTIONS)
-    asked = generate(asking, prompts, kv_budget="auto", kv_budget_max=96, keep_prompt=True)
+    asked = generate(llm, prompts, kv_budget="auto", kv_budget_max=96, keep_prompt=True)
     assert [o["token_ids"] for o in outs] == [o["token_ids"] for o in asked]
-    unasked = generate(asking, prompts, kv_budget="auto", kv_budget_max=96)  # positive control
-    assert [o["metrics"]["kv_budget_tokens"] for o in unasked] == [32, 32]
-    fixed = generate(llm, prompts[:1], kv_budget=32)[0]["metrics"]
-    assert fixed["kv_budget_tokens"] == 32
+    declined = generate(llm, prompts, kv_budget="auto", kv_budget_max=96, keep_prompt=False)  # positive control
+    assert [o["metrics"]["kv_budget_tokens"] for o in declined] == [32, 32]
+    off = LLM(str(llama_dir), num_kvcache_blocks=128, auto_budget_threshold=0.99, **OPTIONS)
+    assert [o["metrics"]["kv_budget_tokens"] for o in generate(off, prompts, kv_budget="auto", kv_budget_max=96)] \
+        == [32, 32]
+    asked_off = generate(off, prompts, kv_budget="auto", kv_budget_max=96, keep_prompt=True)
+    assert [o["token_ids"] for o in asked_off] == [o["token_ids"] for o in outs]
+    assert generate(llm, prompts[:1], kv_budget=32)[0]["metrics"]["kv_budget_tokens"] == 32
 
 
 def test_a_budget_that_never_reaches_its_ceiling_is_full_kv(engines):
@@ -124,8 +128,28 @@ def test_the_engine_default_can_be_automatic(llama_dir):
 
 
 def test_a_prompt_kept_whole_must_leave_room_for_the_automatic_budget(llama_dir):
-    llm = LLM(str(llama_dir), num_kvcache_blocks=12, **OPTIONS)
-    params = SamplingParams(max_tokens=2, kv_budget="auto", keep_prompt=True)
+    llm = LLM(str(llama_dir), num_kvcache_blocks=12, **DEFAULTS)
+    params = SamplingParams(max_tokens=2, kv_budget="auto")  # the prompt kept whole by default
     with pytest.raises(ValueError, match="kept whole \\(keep_prompt\\) leaves no block"):
         llm.generate([list(range(3, 173))], params, use_tqdm=False)  # 11 blocks of the pool's 11
     assert len(llm.generate([list(range(3, 40))], params, use_tqdm=False)[0]["outputs"][0]["token_ids"]) == 2
+
+
+
+def test_a_sequence_at_its_floor_in_a_full_pool_takes_a_block_as_any_does(llama_dir):
+    """A pool too short for every prompt kept whole beside its floor: a sequence that holds no
+    more than its floor (here just its prompt) when no block is free cannot compact below it; it
+    preempts or is preempted as any sequence is, and every request completes (compacting to its
+    prompt, it used to loop without end)."""
+    llm = LLM(str(llama_dir), num_kvcache_blocks=9, auto_budget_threshold=0.0, **{**DEFAULTS, "max_num_seqs": 8})
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, kv_budget="auto", kv_budget_max=64)
+    ids = [engine.add_request([(5 * i + j) % 300 + 3 for i in range(16 * (1 + j % 3))], params)  # 1-3 full blocks
+           for j in range(6)]
+    done = {}
+    for _ in range(1000):  # about 400 steps
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if not engine.has_unfinished_requests():
+            break
+    assert sorted(done) == sorted(ids) and all(len(o.outputs[0].token_ids) == 80 for o in done.values())
+    assert engine.get_stats().num_preemptions > 0  # the pool was short: the path ran

@@ -23,6 +23,7 @@ TOKENIZER = build_tokenizer(VOCAB)
 
 
 def _admission(window: int = WINDOW, num_blocks: int = 64, **options) -> Admission:
+    options.setdefault("auto_budget_keeps_prompt", False)  # automatic bounds read alone, no prompt beside them
     config = EngineConfig.from_options(kvcache_block_size=BS, query_cache_len=8, compilation_cache_dir="", **options)
     pool = KVPoolPlan(BS, np.dtype(np.float32), 2, 1024, num_blocks, 4, 4096, (num_blocks - 1) * BS)
     prompt = PromptCompaction.of(BS, config.max_num_batched_tokens, config.prompt_window, config.row_size)

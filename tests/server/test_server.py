@@ -155,7 +155,12 @@ def test_an_automatic_kv_budget_and_its_memory_in_usage(server):
                                                        "kv_budget_max": 64})
     kv = out.usage.model_extra["kv_cache"]
     assert out.usage.completion_tokens == 120
-    assert kv == {"kv_blocks_peak": 64 // 16 + 1, "kv_budget_tokens": 64}  # 120+ tokens: at its ceiling
+    # 120+ tokens: at its ceiling, beside the prompt (one block) kept whole by default
+    assert kv == {"kv_blocks_peak": 80 // 16 + 1, "kv_budget_tokens": 80}
+    bounded = server.client.completions.create(model=MODEL, prompt="Compress me", max_tokens=120, temperature=0,
+                                               extra_body={"ignore_eos": True, "kv_budget": "auto",
+                                                           "kv_budget_max": 64, "keep_prompt": False})
+    assert bounded.usage.model_extra["kv_cache"] == {"kv_blocks_peak": 64 // 16 + 1, "kv_budget_tokens": 64}
     full = server.client.completions.create(model=MODEL, prompt="Compress me", max_tokens=40, n=2, **GREEDY)
     kv_slots = full.usage.prompt_tokens + 40 - 1  # the last token's K/V is never computed
     assert full.usage.model_extra["kv_cache"] == {"kv_blocks_peak": -(-kv_slots // 16), "kv_budget_tokens": 0}

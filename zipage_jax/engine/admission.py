@@ -127,9 +127,10 @@ class Admission:
             return None
         policy = POLICIES[params.eviction_policy or config.eviction_policy]
         options = policy.options(config.sink_len, config.recent_fraction, config.prompt_fraction)
-        on_top = prompt_len if params.keep_prompt else 0  # the prompt kept whole beside the budget
+        keep = bool(params.keep_prompt)  # the prompt kept whole beside the budget
         if params.kv_budget == "auto" or (params.kv_budget is None and config.auto_budget):
-            on_top = prompt_len if config.auto_budget_keeps_prompt else on_top
+            keep = config.auto_budget_keeps_prompt if params.keep_prompt is None else keep
+            on_top = prompt_len if keep else 0
             budget = self._auto_budget(params, policy, options, prompt_len, on_top)
         else:
             blocks = config.max_cache_blocks_per_seq if params.kv_budget is None else -(-params.kv_budget // bs)
@@ -137,8 +138,8 @@ class Admission:
                 return None
             self._check_window(f"kv_budget {params.kv_budget}", blocks * bs)
             budget = resolve_budget(policy, options, blocks, bs, config.query_cache_len)
-            if on_top:
-                budget = keep_prompt_on_top(budget, on_top, bs)
+            if keep:
+                budget = keep_prompt_on_top(budget, prompt_len, bs)
         blocks = budget.blocks
         deferred = (params.prompt_compression or config.prompt_compression) == "deferred"
         budget = dataclasses.replace(budget, deferred=deferred)

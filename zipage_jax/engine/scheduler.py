@@ -428,11 +428,14 @@ class Scheduler:
         return seq.num_blocks >= m + 1
 
     def _cannot_grow(self, seq: Sequence) -> bool:
-        """An automatic budget that grew past its blocks, every block full, and no block free."""
+        """An automatic budget below its blocks, every block full, no block free, and what it
+        holds but the block it fills is at least its floor (a sequence below its floor, such as
+        one that holds just its prompt kept whole, takes a block as any sequence does)."""
         budget = seq.budget
         return (budget is not None and budget.auto is not None and not self._in_prompt(seq)
                 and seq.num_kv_slots == seq.num_blocks * self.block_manager.block_size
-                and seq.num_blocks < budget.blocks + 1 and self.block_manager.num_free_blocks == 0)
+                and budget.auto.floor < seq.num_blocks < budget.blocks + 1
+                and self.block_manager.num_free_blocks == 0)
 
     @staticmethod
     def _in_prompt(seq: Sequence) -> bool:

@@ -111,20 +111,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kv_budget tokens, or auto")
     parser.add_argument("--configs", nargs="+", default=None, metavar="POLICY@BUDGET",
                         help="these pairs instead of every policy at every budget (full KV always runs); "
-                             "POLICY@BUDGET+keep_prompt keeps each prompt whole beside the budget")
+                             "POLICY@BUDGET+keep_prompt keeps each prompt whole beside the budget, "
+                             "+no_keep_prompt bounds it too (default: the engine's choice)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many problems per split")
     parser.add_argument("--max-tokens", type=int, default=512)
     add_engine_arguments(parser)
-    parser.add_argument("--keep-prompt", action="store_true",
-                        help="--policies x --budgets with each prompt kept whole beside its budget "
-                             "(with --configs: POLICY@BUDGET+keep_prompt)")
+    parser.add_argument("--keep-prompt", action=argparse.BooleanOptionalAction, default=None,
+                        help="--policies x --budgets with each prompt kept whole beside its budget, or bounded by "
+                             "it (default: the engine's choice; with --configs: POLICY@BUDGET+keep_prompt)")
     parser.add_argument("--task-ids", nargs="+", default=None, help="only these problems (e.g. HumanEval/0)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the summary and every answer to this file")
 
 
 def run(args: argparse.Namespace) -> int:
     policies = list(POLICIES) if args.policies == ["all"] else args.policies
-    if args.configs is not None and args.keep_prompt:
+    if args.configs is not None and args.keep_prompt is not None:
         raise SystemExit("--keep-prompt goes with --policies and --budgets; with --configs write "
                          "POLICY@BUDGET+keep_prompt")
     eval_configs = (configs(policies, args.budgets, args.keep_prompt) if args.configs is None

@@ -16,7 +16,8 @@ from zipage_jax.compress.auto_budget import AUTO, parse_budget
 from zipage_jax.compress.policies import POLICIES
 
 FULL_KV = "full"
-KEEP_PROMPT = "+keep_prompt"  # a config's suffix: the prompt kept whole beside its budget
+# a config's suffix: the prompt kept whole beside its budget, or bounded by it (no suffix: the engine's choice)
+KEEP_PROMPT = {"+keep_prompt": True, "+no_keep_prompt": False}
 Budget = int | str  # tokens, or AUTO
 
 
@@ -24,13 +25,14 @@ Budget = int | str  # tokens, or AUTO
 class EvalConfig:
     policy: str  # FULL_KV or an eviction policy
     budget: Budget  # kv_budget: tokens or "auto"; 0 with FULL_KV
-    keep_prompt: bool = False  # SamplingParams.keep_prompt
+    keep_prompt: bool | None = None  # SamplingParams.keep_prompt
 
     @property
     def name(self) -> str:
         if self.policy == FULL_KV:
             return FULL_KV
-        return f"{self.policy}@{self.budget}{KEEP_PROMPT if self.keep_prompt else ''}"
+        suffix = {keep: suffix for suffix, keep in KEEP_PROMPT.items()}.get(self.keep_prompt, "")
+        return f"{self.policy}@{self.budget}{suffix}"
 
     def sampling_params(self, max_tokens: int):
         """Greedy decoding under this config's budget and policy."""
@@ -41,7 +43,7 @@ class EvalConfig:
                               eviction_policy=None if full else self.policy, keep_prompt=self.keep_prompt)
 
 
-def configs(policies: Sequence[str], budgets: Sequence[Budget], keep_prompt: bool = False) -> list[EvalConfig]:
+def configs(policies: Sequence[str], budgets: Sequence[Budget], keep_prompt: bool | None = None) -> list[EvalConfig]:
     """Full KV, then every policy at every budget."""
     for policy in policies:
         if policy not in POLICIES:
@@ -53,17 +55,18 @@ def configs(policies: Sequence[str], budgets: Sequence[Budget], keep_prompt: boo
 
 
 def parse_configs(pairs: Sequence[str]) -> list[EvalConfig]:
-    """Full KV, then each "policy@budget[+keep_prompt]", validated as `configs` validates."""
+    """Full KV, then each "policy@budget[+keep_prompt|+no_keep_prompt]", validated as `configs`
+    validates."""
     out = [EvalConfig(FULL_KV, 0)]
     for pair in pairs:
-        keep_prompt = pair.endswith(KEEP_PROMPT)
-        policy, _, budget = pair.removesuffix(KEEP_PROMPT).partition("@")
+        suffix = next((s for s in KEEP_PROMPT if pair.endswith(s)), "")
+        policy, _, budget = pair.removesuffix(suffix).partition("@")
         try:
-            out += configs([policy], [parse_budget(budget)], keep_prompt)[1:]  # 0 is refused there
+            out += configs([policy], [parse_budget(budget)], KEEP_PROMPT.get(suffix))[1:]  # 0 is refused there
         except ValueError as exc:
-            raise ValueError(f"a config is POLICY@BUDGET, or POLICY@BUDGET{KEEP_PROMPT} to keep the prompt whole "
-                             f"beside the budget (e.g. vnorm-prompt@128 or vnorm-prompt@auto{KEEP_PROMPT}), "
-                             f"got {pair!r}: {exc}") from exc
+            raise ValueError(f"a config is POLICY@BUDGET, with +keep_prompt to keep the prompt whole beside the "
+                             f"budget or +no_keep_prompt to bound it too (e.g. vnorm-prompt@128+keep_prompt or "
+                             f"vnorm-prompt@auto+no_keep_prompt), got {pair!r}: {exc}") from exc
     return out
 
 

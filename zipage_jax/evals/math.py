@@ -139,7 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="at most this many problems per split")
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="POLICY@BUDGET",
                         help="configs beside full KV (which always runs); a budget is tokens or auto; "
-                             "POLICY@BUDGET+keep_prompt keeps each prompt whole beside the budget")
+                             "POLICY@BUDGET+keep_prompt keeps each prompt whole beside the budget, "
+                             "+no_keep_prompt bounds it too (default: the engine's choice)")
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     add_engine_arguments(parser)
