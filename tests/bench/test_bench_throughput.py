@@ -125,7 +125,7 @@ def test_task_table_at_an_automatic_budget(llama_dir, monkeypatch, bench_args, l
     monkeypatch.setattr("zipage_jax.evals.code.grade", lambda problems, answers: dict.fromkeys(answers, "passed"))
     argv = ["--model", llama_dir, "--json", "--humaneval", "heldout", "--limit", "2", "--task-budget", "auto",
             "--pool-budget", "256", "--max-tokens", "40", "--max-num-batched-tokens", "256", "--auto-budget-min", "32",
-            "--auto-budget-max", "64"]
+            "--auto-budget-max", "64", "--no-auto-budget-keeps-prompt"]  # bounding the prompt: 40 tokens compact
     assert throughput.run(bench_args("throughput", *argv)) == 0
     out = last_json()
     full, auto = out["runs"]["full"], out["runs"]["default@auto"]

@@ -12,7 +12,8 @@ each generating --max-tokens tokens greedily with EOS ignored; every other reque
 repetition penalty. Two engines share the loaded model and one pool of the same number of
 blocks, so the same bytes: "compressed" keeps --budget tokens per sequence (the engine's default
 policy and scoring; engine options such as --eviction-policy change them; with --auto-budget an
-automatic budget, --budget its ceiling), "full" keeps every token. The pool is either what
+automatic budget, --budget its ceiling beside the prompt it keeps whole unless
+--no-auto-budget-keeps-prompt), "full" keeps every token. The pool is either what
 compression needs to hold all N at once, N * (budget / block + 1) + 1 blocks, so full KV holds
 fewer and preempts or queues the rest (presets default, quick), or
 what full KV needs to hold all N to the end, N * ceil((longest prompt + max tokens) / block) + 1

@@ -114,7 +114,7 @@ def engine_config(model: str, workload: Workload, compressed: bool, options: dic
     """The engine of one run: `options`, then the workload's sizes and `pool`; compressed runs
     get `scoring` (under the options) and the workload's budget, or with the option
     `auto_budget` an automatic budget whose ceiling is the workload's budget (unless
-    `auto_budget_max` says otherwise)."""
+    `auto_budget_max` says otherwise), beside the prompt where `auto_budget_keeps_prompt` keeps it."""
     from zipage_jax import EngineConfig
 
     base = dict(max_num_seqs=workload.requests, max_model_len=workload.prompt_len_max + workload.max_tokens)
