@@ -75,12 +75,15 @@ def test_a_budget_that_never_reaches_its_ceiling_is_full_kv(engines):
 
 
 def test_a_budget_that_cannot_grow_compacts(llama_dir):
-    """A pool too small for every budget's growth: a compressed sequence with no free block for
-    its grown budget compacts to what it holds, rather than preempt another or wait."""
-    llm = LLM(str(llama_dir), num_kvcache_blocks=30, auto_budget_threshold=0.0, **OPTIONS)
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, kv_budget="auto", kv_budget_max=256)
-    outs = [r["outputs"][0] for r in llm.generate(PROMPTS, params, use_tqdm=False)]
-    assert all(len(o["token_ids"]) == 200 for o in outs)
+    """A pool too small for every budget's growth, and for every request at once: a compressed
+    sequence with no free block for its grown budget compacts to what it holds, rather than
+    preempt another or wait; a request is admitted only with room to its floor, and growth leaves
+    the next waiting request its room, so no sequence is ever preempted."""
+    llm = LLM(str(llama_dir), num_kvcache_blocks=30, auto_budget_threshold=0.0, **{**OPTIONS, "max_num_seqs": 12})
+    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True, kv_budget="auto", kv_budget_max=256)
+    prompts = [[(7 * i + j) % 300 + 3 for i in range(20 + 3 * (j % 4))] for j in range(12)]
+    outs = [r["outputs"][0] for r in llm.generate(prompts, params, use_tqdm=False)]
+    assert all(len(o["token_ids"]) == 160 for o in outs)
     metrics = [o["metrics"] for o in outs]
     assert all(m["num_compressions"] > 0 and m["kv_budget_tokens"] < 256 for m in metrics)  # the pool, not the ceiling
     assert sum(m["num_preemptions"] for m in metrics) == 0 and llm.engine.get_stats().num_preemptions == 0
@@ -137,15 +140,16 @@ def test_a_prompt_kept_whole_must_leave_room_for_the_automatic_budget(llama_dir)
 
 
 def test_a_sequence_at_its_floor_in_a_full_pool_takes_a_block_as_any_does(llama_dir):
-    """A pool too short for every prompt kept whole beside its floor: a sequence that holds no
-    more than its floor (here just its prompt) when no block is free cannot compact below it; it
-    preempts or is preempted as any sequence is, and every request completes (compacting to its
-    prompt, it used to loop without end)."""
+    """A pool too short for every prompt kept whole beside its floor, full-KV requests taking
+    what is free: a sequence that holds no more than its floor (here just its prompt) when no
+    block is free cannot compact below it; it preempts or is preempted as any sequence is, and
+    every request completes (compacting to its prompt, it used to loop without end)."""
     llm = LLM(str(llama_dir), num_kvcache_blocks=9, auto_budget_threshold=0.0, **{**DEFAULTS, "max_num_seqs": 8})
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, kv_budget="auto", kv_budget_max=64)
-    ids = [engine.add_request([(5 * i + j) % 300 + 3 for i in range(16 * (1 + j % 3))], params)  # 1-3 full blocks
-           for j in range(6)]
+    params = dict(temperature=0, max_tokens=80, ignore_eos=True)
+    auto, full = SamplingParams(kv_budget="auto", kv_budget_max=64, **params), SamplingParams(kv_budget=0, **params)
+    ids = [engine.add_request([(5 * i + j) % 300 + 3 for i in range(16 * (1 + j % 3))],  # 1-3 full blocks
+                              (full, auto)[j % 2 or j == 4]) for j in range(6)]
     done = {}
     for _ in range(1000):  # about 400 steps
         done.update({o.request_id: o for o in engine.step() if o.finished})

@@ -316,6 +316,24 @@ def test_a_compressed_sequence_is_never_preempted():
     loop.check_all_freed()
 
 
+@pytest.mark.parametrize("budget", [1, None])
+def test_a_budgeted_sequence_waits_for_room_to_its_first_compaction(budget):
+    """Admitted only when its way to its first compaction point (budget and the next block) fits
+    beside what the running budgeted ones are still owed, no budgeted sequence is preempted on
+    its way, and none later (compressed, it holds its own); full KV on the same pool preempts."""
+    loop = Loop(12, prefix_caching=False)  # 11 usable blocks of 4; a prompt of 10 takes 3
+    seqs = [loop.add(prompt(10, i), max_tokens=24, budget=budget) for i in range(6)]
+    loop.run()
+    preempted = [s for o in loop.history for s in o.preempted]
+    assert all(s.num_output_tokens == 24 for s in seqs)
+    if budget is None:
+        assert preempted, "the pool was never short"
+    else:
+        assert not preempted and all(s.metrics.num_compressions > 0 for s in seqs)
+        assert max(len(o.out.decode_rows) for o in loop.history) >= 3  # not one at a time
+    loop.check_all_freed()
+
+
 def test_a_preempted_sequence_recomputes_from_the_prefix_cache():
     loop = Loop(7)  # 6 blocks: the first sequence ends with 4, the other 2 stay cached meanwhile
     first, victim = [loop.add(prompt(6, i), max_tokens=10) for i in range(2)]
@@ -412,11 +430,11 @@ def test_a_prompt_that_ends_inside_a_block_compresses_when_its_decode_fills_it()
 
 
 def test_a_compression_that_needs_blocks_for_shared_ones_preempts():
-    loop = Loop(8, 4, max_num_seqs=3, max_num_batched_tokens=16, num_query_slots=1, query_cache_len=1)
+    loop = Loop(9, 4, max_num_seqs=3, max_num_batched_tokens=16, num_query_slots=1, query_cache_len=1)
     p = prompt(14, 0)  # one chunk: prefilled whole, compressed once its decodes fill block 4
     parent = loop.add(p, max_tokens=4, budget=1)
     loop.add(p, max_tokens=4, budget=1, parent=parent)  # shares the parent's first 3 blocks
-    loop.add(prompt(1, 1), max_tokens=8, budget=1)  # holds the last free blocks
+    loop.add(prompt(8, 1), max_tokens=8)  # full KV: holds the last free blocks
     loop.run()
     plan, out = next((p, o) for o in loop.history for p in o.compressions if p.seq is parent)
     assert set(plan.target_table).isdisjoint(plan.source_table)  # both kept blocks were shared

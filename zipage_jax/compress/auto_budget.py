@@ -10,8 +10,10 @@ j * block_size; averaged over heads and layers). The host then picks (`choose`):
 - the fewest blocks j, from the floor up to what the sequence holds, whose loss is at most the
   threshold: it compacts to j next step (its budget may shrink as well as stay);
 - none: it grows by `grow_blocks` (at most to its ceiling) and measures again once those fill;
-- none, but it is at its ceiling or the pool has no free block: it compacts to what it holds
-  (the fixed budget's behaviour at that size).
+- none, but it is at its ceiling or the pool has no block that no one is owed (the running
+  sequences on their way to their first compaction, the next waiting request:
+  engine/block_reserve.py): it compacts to what it holds (the fixed budget's behaviour at that
+  size).
 
 So memory per sequence stays within its ceiling, a growing sequence never takes a block another
 one needs (it compacts instead), and a step that does not measure pays nothing: the measurement
@@ -54,11 +56,12 @@ parse_budget.__name__ = "kv_budget"  # argparse's "invalid kv_budget value: ..."
 
 def choose(losses: np.ndarray, num_blocks: np.ndarray, budget_blocks: np.ndarray, floor: np.ndarray,
            ceiling: np.ndarray, grow: np.ndarray, threshold: np.ndarray,
-           free_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+           spare_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     """The next budget in blocks of each measured row, and whether it compacts to it now.
 
-    losses: [R, W] `evicted_mass` averaged over layers; the others [R]. Returns (blocks [R],
-    compacts [R] bool): a row that does not compact grows to `blocks` (> what it keeps now)."""
+    losses: [R, W] `evicted_mass` averaged over layers; the others [R]; spare_blocks: the free
+    blocks growth may take. Returns (blocks [R], compacts [R] bool): a row that does not compact
+    grows to `blocks` (> what it keeps now)."""
     width = losses.shape[1]
     j = np.arange(width)[None]
     holds = num_blocks - 1  # the most it can keep and still write its next token
@@ -67,7 +70,7 @@ def choose(losses: np.ndarray, num_blocks: np.ndarray, budget_blocks: np.ndarray
     best = np.where(fits.any(axis=1), fits.argmax(axis=1), -1)
     grown = np.minimum(ceiling, budget_blocks + grow)
     wants = (best < 0) & (grown > holds)
-    can_grow = wants & (np.cumsum(wants) <= free_blocks)  # each takes its next block now
+    can_grow = wants & (np.cumsum(wants) <= spare_blocks)  # each takes its next block now
     compacts = ~can_grow
     blocks = np.where(best >= 0, best, np.where(can_grow, grown, np.minimum(holds, ceiling)))
     return blocks, compacts

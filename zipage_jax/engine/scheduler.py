@@ -16,8 +16,10 @@ compaction scored by the prompt's tail; or deferred, once at the prompt's end); 
 prompt, whenever its M + 1 blocks are full. These points depend on the sequence alone, not on
 how its prompt was cut into chunks, so a request's output does not depend on the batch it ran
 in. Compressed sequences are suspended, never preempted. Preemption is by recompute, the victim
-being the most recently admitted sequence that may be preempted. A sequence whose last token is
-sampled (perhaps still on its way to the host) is not scheduled again. A sequence with stop
+being the most recently admitted sequence that may be preempted. A budgeted sequence is admitted
+only when its way to its first compaction point fits beside what the running ones are still owed,
+and an automatic budget grows only into blocks no one is owed (engine/block_reserve.py). A
+sequence whose last token is sampled (perhaps still on its way to the host) is not scheduled again. A sequence with stop
 strings decodes only while the output stage, which matches them, is at most `MAX_OUTPUT_LAG`
 steps behind (`output_lag`): it ends within that many steps, and the tokens of an asynchronous
 step, past its stop string.
@@ -39,6 +41,7 @@ import numpy as np
 from zipage_jax.compress.auto_budget import choose
 from zipage_jax.compress.quotes import QUOTE_NGRAM, find_quote_end
 from zipage_jax.engine.block_manager import BlockManager, CompressionPlan
+from zipage_jax.engine.block_reserve import admission_blocks, beyond_floor, owed_blocks
 from zipage_jax.engine.core_outputs import EngineCoreOutputs, FinishedSequence
 from zipage_jax.engine.prompt_compaction import PromptCompaction
 from zipage_jax.engine.runner.results import CompactionFailed, FetchedStep, RunnerOutput
@@ -280,12 +283,19 @@ class Scheduler:
         picked = np.zeros(len(rows), bool)
         picked[np.flatnonzero(decode | grows)[:budget.tokens]] = True
         growing = np.flatnonzero(picked & grows)
+        optional = beyond_floor(b, rows[growing])
+        growing, optional = growing[~optional], growing[optional]
         short = len(growing) - self.block_manager.num_free_blocks
         if short > 0:  # these preempt, or wait, below
             picked[growing[len(growing) - short:]] = False
             growing = growing[:len(growing) - short]
         if len(growing):
             self._grow(rows[growing])
+        if len(optional):  # automatic budgets grow into what no one is owed; the rest compact below
+            lent = max(0, self._spare_blocks())
+            picked[optional[lent:]] = False
+            if lent:
+                self._grow(rows[optional[:lent]])
         out.decode_rows = np.concatenate([out.decode_rows, rows[picked]])
         budget.tokens -= int(np.count_nonzero(picked))
         held = self.output_lag > MAX_OUTPUT_LAG
@@ -398,6 +408,8 @@ class Scheduler:
             parent = seq.parent
             if parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens:
                 break  # a sibling of n > 1 shares the prompt blocks once they are cached
+            if seq.budget is not None and self._unowed_blocks() < self._admission_blocks(seq):
+                break  # it would be preempted on its way to its first compaction (engine/block_reserve.py)
             cached = self.block_manager.match_prefix(seq, self._max_cached_blocks(seq))
             n = min(self._chunk_size(seq, budget), self._capacity(seq))
             if n == 0 or not self.block_manager.allocate_slots(seq, n):
@@ -435,7 +447,25 @@ class Scheduler:
         return (budget is not None and budget.auto is not None and not self._in_prompt(seq)
                 and seq.num_kv_slots == seq.num_blocks * self.block_manager.block_size
                 and budget.auto.floor < seq.num_blocks < budget.blocks + 1
-                and self.block_manager.num_free_blocks == 0)
+                and self._spare_blocks() <= 0)
+
+    def _unowed_blocks(self) -> int:
+        return self.block_manager.num_free_blocks - owed_blocks(self.batch, self.running_rows)
+
+    def _spare_blocks(self) -> int:
+        """Free blocks no one is owed (engine/block_reserve.py): what the running budgeted
+        sequences still take to their first compaction point, and the next waiting sequence's
+        peak while a row is free for it, are set aside."""
+        spare = self._unowed_blocks()
+        if self.waiting and self.batch.num_running < self.max_num_seqs and (
+                self.waiting[0].row is not None or self.batch.free_rows):
+            spare -= self._admission_blocks(self.waiting[0])
+        return spare
+
+    def _admission_blocks(self, seq: Sequence) -> int:
+        """engine/block_reserve.py admission_blocks, at most the pool (a budget grown near the
+        pool's size and then preempted recomputes within the pool, compacting as it goes)."""
+        return min(admission_blocks(seq, self.prompt), self.block_manager.num_usable_blocks)
 
     @staticmethod
     def _in_prompt(seq: Sequence) -> bool:
@@ -637,7 +667,7 @@ class Scheduler:
         b = self.batch
         blocks, compacts = choose(losses, b.num_blocks[rows], b.budget_blocks[rows], b.auto_floor[rows],
                                   b.auto_ceiling[rows], b.auto_grow[rows], b.auto_threshold[rows],
-                                  self.block_manager.num_free_blocks)
+                                  max(0, self._spare_blocks()))
         b.measuring[rows], b.measured[rows] = False, compacts
         for row, m in zip(rows.tolist(), blocks.tolist()):
             if m != b.budget_blocks[row]:
