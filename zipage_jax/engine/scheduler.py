@@ -19,10 +19,10 @@ in. Compressed sequences are suspended, never preempted. Preemption is by recomp
 being the most recently admitted sequence that may be preempted. A budgeted sequence is admitted
 only when its way to its first compaction point fits beside what the running ones are still owed,
 and an automatic budget grows only into blocks no one is owed (engine/block_reserve.py). A
-sequence whose last token is sampled (perhaps still on its way to the host) is not scheduled again. A sequence with stop
-strings decodes only while the output stage, which matches them, is at most `MAX_OUTPUT_LAG`
-steps behind (`output_lag`): it ends within that many steps, and the tokens of an asynchronous
-step, past its stop string.
+sequence whose last token is sampled (perhaps still on its way to the host) is not scheduled
+again. A sequence with stop strings decodes only while the output stage, which matches them, is
+at most `MAX_OUTPUT_LAG` steps behind (`output_lag`): it ends within that many steps, and the
+tokens of an asynchronous step, past its stop string.
 
 What a step changes (`update_from_output`) happens here too, in one place: compactions land,
 the chunks and decode rows dispatched are committed, the tokens read back join their sequences
