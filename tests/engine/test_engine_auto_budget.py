@@ -77,8 +77,8 @@ def test_a_budget_that_never_reaches_its_ceiling_is_full_kv(engines):
 def test_a_budget_that_cannot_grow_compacts(llama_dir):
     """A pool too small for every budget's growth, and for every request at once: a compressed
     sequence with no free block for its grown budget compacts to what it holds, rather than
-    preempt another or wait; a request is admitted only with room to its floor, and growth leaves
-    the next waiting request its room, so no sequence is ever preempted."""
+    preempt another or wait; a request is admitted only with room to its floor, and growth takes
+    only blocks no running sequence is owed, so no sequence is ever preempted."""
     llm = LLM(str(llama_dir), num_kvcache_blocks=30, auto_budget_threshold=0.0, **{**OPTIONS, "max_num_seqs": 12})
     params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True, kv_budget="auto", kv_budget_max=256)
     prompts = [[(7 * i + j) % 300 + 3 for i in range(20 + 3 * (j % 4))] for j in range(12)]

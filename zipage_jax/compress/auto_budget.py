@@ -11,9 +11,8 @@ j * block_size; averaged over heads and layers). The host then picks (`choose`):
   threshold: it compacts to j next step (its budget may shrink as well as stay);
 - none: it grows by `grow_blocks` (at most to its ceiling) and measures again once those fill;
 - none, but it is at its ceiling or the pool has no block that no one is owed (the running
-  sequences on their way to their first compaction, the next waiting request:
-  engine/block_reserve.py): it compacts to what it holds (the fixed budget's behaviour at that
-  size).
+  sequences on their way to their first compaction: engine/block_reserve.py): it compacts to
+  what it holds (the fixed budget's behaviour at that size).
 
 So memory per sequence stays within its ceiling, a growing sequence never takes a block another
 one needs (it compacts instead), and a step that does not measure pays nothing: the measurement

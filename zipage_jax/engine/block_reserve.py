@@ -5,8 +5,9 @@ compacts rather than take another block, and it is never preempted. On its way t
 blocks as any sequence does. If the pool admits it without room for that way, or lends the room
 to an automatic budget that grows, a full pool preempts it and it computes its prompt again: the
 costliest thing a full pool does. So a budgeted sequence is admitted only when its peak fits
-beside what the running ones are still owed, and an automatic budget grows only into blocks that
-neither they nor the next waiting sequence are owed (when requests wait, they come first).
+beside what the running ones are still owed, and an automatic budget grows only into blocks they
+are not owed. Waiting requests hold no claim: an automatic budget that needs to grow does so
+before another request is admitted, so its answer does not depend on how many requests wait.
 """
 
 from __future__ import annotations

@@ -292,7 +292,7 @@ class Scheduler:
         if len(growing):
             self._grow(rows[growing])
         if len(optional):  # automatic budgets grow into what no one is owed; the rest compact below
-            lent = max(0, self._spare_blocks())
+            lent = max(0, self._unowed_blocks())
             picked[optional[lent:]] = False
             if lent:
                 self._grow(rows[optional[:lent]])
@@ -447,20 +447,12 @@ class Scheduler:
         return (budget is not None and budget.auto is not None and not self._in_prompt(seq)
                 and seq.num_kv_slots == seq.num_blocks * self.block_manager.block_size
                 and budget.auto.floor < seq.num_blocks < budget.blocks + 1
-                and self._spare_blocks() <= 0)
+                and self._unowed_blocks() <= 0)
 
     def _unowed_blocks(self) -> int:
+        """Free blocks no one is owed: the running budgeted sequences' way to their first
+        compaction point set aside (engine/block_reserve.py)."""
         return self.block_manager.num_free_blocks - owed_blocks(self.batch, self.running_rows)
-
-    def _spare_blocks(self) -> int:
-        """Free blocks no one is owed (engine/block_reserve.py): what the running budgeted
-        sequences still take to their first compaction point, and the next waiting sequence's
-        peak while a row is free for it, are set aside."""
-        spare = self._unowed_blocks()
-        if self.waiting and self.batch.num_running < self.max_num_seqs and (
-                self.waiting[0].row is not None or self.batch.free_rows):
-            spare -= self._admission_blocks(self.waiting[0])
-        return spare
 
     def _admission_blocks(self, seq: Sequence) -> int:
         """engine/block_reserve.py admission_blocks, at most the pool (a budget grown near the
@@ -667,7 +659,7 @@ class Scheduler:
         b = self.batch
         blocks, compacts = choose(losses, b.num_blocks[rows], b.budget_blocks[rows], b.auto_floor[rows],
                                   b.auto_ceiling[rows], b.auto_grow[rows], b.auto_threshold[rows],
-                                  max(0, self._spare_blocks()))
+                                  max(0, self._unowed_blocks()))
         b.measuring[rows], b.measured[rows] = False, compacts
         for row, m in zip(rows.tolist(), blocks.tolist()):
             if m != b.budget_blocks[row]:
