@@ -157,3 +157,17 @@ def test_a_sequence_at_its_floor_in_a_full_pool_takes_a_block_as_any_does(llama_
             break
     assert sorted(done) == sorted(ids) and all(len(o.outputs[0].token_ids) == 80 for o in done.values())
     assert engine.get_stats().num_preemptions > 0  # the pool was short: the path ran
+
+
+def test_waiting_requests_do_not_shrink_a_running_budget(llama_dir):
+    """A budget that must grow (threshold 0) grows into the free blocks the running sequences
+    are not owed even while requests wait with a row free for them: the budgets of two requests
+    are the same alone and with two more waiting behind them (which then run the same way)."""
+    llm = LLM(str(llama_dir), num_kvcache_blocks=9, auto_budget_threshold=0.0, **OPTIONS)  # 8 usable
+    prompts = [[(7 * i + j) % 300 + 3 for i in range(20)] for j in range(4)]  # 2 blocks each
+    alone = generate(llm, prompts[:2], kv_budget="auto", kv_budget_max=96)
+    crowded = generate(llm, prompts, kv_budget="auto", kv_budget_max=96)
+    budgets = [o["metrics"]["kv_budget_tokens"] for o in alone]
+    assert budgets[0] > 32 and budgets == budgets[::-1]  # grown past the floor (auto_budget_min), into the pool
+    assert [o["metrics"]["kv_budget_tokens"] for o in crowded] == budgets * 2
+    assert all(o["metrics"]["num_compressions"] > 0 and o["metrics"]["num_preemptions"] == 0 for o in crowded)
