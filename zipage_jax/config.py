@@ -58,7 +58,7 @@ class EngineConfig:
                                           "(instead of max_cache_blocks_per_seq)")
     auto_budget_threshold: float = option(0.01, doc="kv_budget=\"auto\": the largest share of the cached queries' "
                                                     "attention a compaction may evict")
-    auto_budget_min: int = option(64, doc="kv_budget=\"auto\": the fewest KV tokens a sequence keeps, and the "
+    auto_budget_min: int = option(32, doc="kv_budget=\"auto\": the fewest KV tokens a sequence keeps, and the "
                                           "tokens its budget grows by (rounded up to blocks)")
     auto_budget_keeps_prompt: bool = option(True, doc="kv_budget=\"auto\": keep the prompt whole beside the "
                                                       "automatic budget, so that it sizes only what the request "
