@@ -26,13 +26,15 @@ class FakeDevice:
         self.rng = random.Random(seed)
 
     def write(self, seq: Sequence, start: int, num_tokens: int, tail: int = 0, tail_start: int = 0,
-              tail_blocks: list[int] = ()) -> None:
-        """A chunk, as the runner writes it: positions start.. go to physical slots num_kv_slots..;
-        a prompt tail's positions follow in its scratch blocks, and the last QL of both (only
-        those) are the cached queries."""
+              tail_blocks: list[int] = (), kv_start: int | None = None) -> None:
+        """A chunk, as the runner writes it: positions start.. go to physical slots num_kv_slots..
+        (`kv_start`.. for a row that compacted in place earlier in the step); a prompt tail's
+        positions follow in its scratch blocks, and the last QL of both (only those) are the
+        cached queries."""
         bs = self.bs
+        first = seq.num_kv_slots if kv_start is None else kv_start
         for i in range(num_tokens):
-            phys, pos = seq.num_kv_slots + i, start + i
+            phys, pos = first + i, start + i
             block = seq.block_table[phys // bs]
             assert block != DUMMY_BLOCK, "a chunk writes into the dummy block"
             self.pool[block][phys % bs] = (seq.token_ids[pos], pos)

@@ -111,11 +111,14 @@ class Loop:
             self.device.check_query_tail(plan.seq, self.observed.pop(plan.seq, None))
             self.device.compact(plan)
             self.compactions.append((plan.seq, plan.seq.num_computed_tokens))
+        batch = self.sched.batch  # a row compacting in place decodes past the tokens it keeps
+        kept = {batch.seqs[row]: int(batch.budget_tokens[row]) for row in out.compact_rows}
         for chunk in chunks:
             seq = chunk.seq
             if seq not in self.admitted:
                 self.admitted.append(seq)
-            self.device.write(seq, chunk.start, chunk.num_tokens, chunk.tail, chunk.tail_start, chunk.tail_blocks)
+            self.device.write(seq, chunk.start, chunk.num_tokens, chunk.tail, chunk.tail_start, chunk.tail_blocks,
+                              kv_start=kept.get(seq))
             self.observed.pop(seq, None)
             if chunk.tail:
                 first = chunk.tail_start
@@ -150,12 +153,15 @@ class Loop:
         rows = sum(-(-c.num_tokens // sched.prefill_row_size) + -(-c.tail // sched.prefill_row_size)
                    for c in chunks if c.num_tokens > 1 or c.tail)
         assert rows <= sched.max_num_batched_tokens // sched.prefill_row_size
+        # rows compacting in place decode after it, past the tokens they keep
+        compacting = {sched.batch.seqs[row]: int(sched.batch.budget_tokens[row]) for row in out.compact_rows}
         # a decode row: a running sequence past its prompt, its last token (the only one left) to compute
         assert len(set(out.decode_rows.tolist())) == len(out.decode_rows)
         for row in out.decode_rows:
             seq = sched.batch.seqs[row]
             assert seq is not None and seq.row == row and sched.batch.running[row]
-            assert seq.num_computed_tokens == len(seq) - 1 >= seq.num_prefill_tokens and not seq.compressing
+            assert seq.num_computed_tokens == len(seq) - 1 >= seq.num_prefill_tokens
+            assert not seq.compressing or row in out.compact_rows, "decodes while a plan compacts it"
         for c in chunks:  # a tail's scratch blocks: its own, outside every table
             assert len(c.tail_blocks) == -(-c.tail // bs)
             assert all(self.bm.blocks[b].ref_count == 1 for b in c.tail_blocks)
@@ -164,11 +170,12 @@ class Loop:
         assert len({c.seq for c in chunks}) == len(chunks)
         for c in chunks:
             seq = c.seq
-            assert seq.status == SequenceStatus.RUNNING and not seq.compressing
+            assert seq.status == SequenceStatus.RUNNING and (not seq.compressing or seq in compacting)
             assert c.start == seq.num_computed_tokens and 1 <= c.num_tokens <= len(seq) - c.start
-            assert len(seq.block_table) * bs >= seq.num_kv_slots + c.num_tokens
+            kv = compacting.get(seq, seq.num_kv_slots)
+            assert len(seq.block_table) * bs >= kv + c.num_tokens
             m = seq.budget_blocks
-            for phys in range(seq.num_kv_slots, seq.num_kv_slots + c.num_tokens):
+            for phys in range(kv, kv + c.num_tokens):
                 if m is not None and phys // bs >= m and phys % bs >= bs - self.ql:
                     assert seq.query_slot is not None, "computes a query tail without a query slot"
         holders = [s.query_slot for s in self.seqs if s.query_slot is not None]
@@ -190,7 +197,7 @@ class Loop:
         planned = [p.seq for p in plans]
         assert len(planned) == len(set(planned)) <= sched.max_compress_seqs
         for s in remaining:
-            if before[s]["full"] and not before[s]["compressing"]:
+            if before[s]["full"] and not before[s]["compressing"] and s not in compacting:
                 assert s not in [c.seq for c in chunks], "grows past its budget"
         for plan in plans:
             seq, m = plan.seq, plan.seq.budget_blocks
@@ -367,21 +374,26 @@ def test_preempt_releases_blocks_and_query_slot():
 def test_compression_happens_exactly_when_the_budget_is_full():
     bs, m = 4, 2
     loop = Loop(16, bs, query_cache_len=2)
-    seq = loop.add(prompt(5, 0), max_tokens=10 * (m + 1) * bs, budget=m)
+    max_tokens = 10 * (m + 1) * bs
+    seq = loop.add(prompt(5, 0), max_tokens=max_tokens, budget=m)
     compressed_at, kinds = [], []
     while loop.sched.has_unfinished():
         out = loop.step()
         if out.compressions:
-            assert [p.seq for p in out.compressions] == [seq] and not out.chunks
-            compressed_at.append(seq.num_computed_tokens)
-            kinds.append("plan" if out.out.compressions else "in place")
-            assert seq.num_kv_slots == m * bs and len(seq.block_table) == m + 1
+            assert [p.seq for p in out.compressions] == [seq]
+            in_place = not out.out.compressions
+            # a plan sits the step out; compacting in place, the sequence decodes in the same step
+            assert [c.seq for c in out.chunks] == ([seq] if in_place else [])
+            compressed_at.append(seq.num_computed_tokens - in_place)
+            kinds.append("in place" if in_place else "plan")
+            assert seq.num_kv_slots == m * bs + in_place and len(seq.block_table) == m + 1
         assert len(seq.block_table) <= m + 1
     last = 5 + 10 * (m + 1) * bs - 2  # position of the last computed token
     expected = list(range((m + 1) * bs, last + 1, bs))
     assert compressed_at == expected
     # once compressed, every block is its own and unhashed: it compacts in place, with no plan
     assert kinds == ["plan"] + ["in place"] * (len(expected) - 1)
+    assert len(loop.history) == 1 + (max_tokens - 1) + 1  # the prompt, the decodes, the plan's step
     assert seq.metrics.num_compressions == len(expected)
     assert seq.metrics.kv_tokens_evicted == len(expected) * bs
     loop.check_all_freed()

@@ -15,14 +15,15 @@ computes its prompt (after a recompute, every token it had) it compacts at the p
 compaction scored by the prompt's tail; or deferred, once at the prompt's end); once past its
 prompt, whenever its M + 1 blocks are full. These points depend on the sequence alone, not on
 how its prompt was cut into chunks, so a request's output does not depend on the batch it ran
-in. Compressed sequences are suspended, never preempted. Preemption is by recompute, the victim
-being the most recently admitted sequence that may be preempted. A budgeted sequence is admitted
-only when its way to its first compaction point fits beside what the running ones are still owed,
-and an automatic budget grows only into blocks no one is owed (engine/block_reserve.py). A
-sequence whose last token is sampled (perhaps still on its way to the host) is not scheduled
-again. A sequence with stop strings decodes only while the output stage, which matches them, is
-at most `MAX_OUTPUT_LAG` steps behind (`output_lag`): it ends within that many steps, and the
-tokens of an asynchronous step, past its stop string.
+in. A sequence compacting in place decodes in the same step (the device compacts first); one
+compacting by a plan decodes the next step. Compressed sequences are never preempted.
+Preemption is by recompute, the victim being the most recently admitted sequence that may be
+preempted. A budgeted sequence is admitted only when its way to its first compaction point fits
+beside what the running ones are still owed, and an automatic budget grows only into blocks no
+one is owed (engine/block_reserve.py). A sequence whose last token is sampled (perhaps still on
+its way to the host) is not scheduled again. A sequence with stop strings decodes only while the
+output stage, which matches them, is at most `MAX_OUTPUT_LAG` steps behind (`output_lag`): it
+ends within that many steps, and the tokens of an asynchronous step, past its stop string.
 
 What a step changes (`update_from_output`) happens here too, in one place: compactions land,
 the chunks and decode rows dispatched are committed, the tokens read back join their sequences
@@ -245,14 +246,15 @@ class Scheduler:
         self._admit(out, budget)
         return out
 
-    def decode_mask(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def decode_mask(self, rows: np.ndarray, kv: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Which of the running `rows` only decode this step: (those with room for their token in
         their blocks, those that need one more block first). A decoding row is past its prompt,
         has its last token to compute, a query slot if that token's query is cached, and (stop
         strings) an output stage that keeps up; one whose blocks are full at its budget compacts
-        instead."""
+        instead. `kv`: the rows' KV slots in use, if not what they hold now (after a compaction)."""
         b, bs = self.batch, self.block_manager.block_size
-        computed, kv, blocks = b.num_computed_tokens[rows], b.num_kv_slots[rows], b.num_blocks[rows]
+        computed, blocks = b.num_computed_tokens[rows], b.num_blocks[rows]
+        kv = b.num_kv_slots[rows] if kv is None else kv
         m = b.budget_blocks[rows]
         ready = ((computed == b.num_tokens[rows] - 1) & (computed >= b.num_prefill_tokens[rows])
                  & (b.num_tokens[rows] < b.max_len[rows]) & b.state_fresh[rows])
@@ -306,7 +308,7 @@ class Scheduler:
         self._measure(rest[measure], out)
         rest = rest[~measure]  # those past the step's compactions measure in a later one
         in_place = self._compacts_in_place(rest)
-        self._compact_in_place(rest[in_place], out)
+        self._decode_after_compaction(self._compact_in_place(rest[in_place], out), out, budget)
         for row in rest[~in_place]:
             if budget.tokens == 0:
                 break
@@ -342,13 +344,24 @@ class Scheduler:
         b = self.batch
         return b.compressed[rows] & ~b.compressing[rows] & ~b.measuring[rows] & self._at_point(rows)
 
-    def _compact_in_place(self, rows: np.ndarray, out: SchedulerOutput) -> None:
-        """As many of `rows` as the step has compactions left for: they decode once it lands."""
+    def _compact_in_place(self, rows: np.ndarray, out: SchedulerOutput) -> np.ndarray:
+        """As many of `rows` as the step has compactions left for (returned)."""
         rows = rows[:max(0, self.max_compress_seqs - out.num_compactions)]
         if len(rows):
             self.batch.compressing[rows] = True
             self._advance_quotes(rows)
             out.compact_rows = np.concatenate([out.compact_rows, rows])
+        return rows
+
+    def _decode_after_compaction(self, rows: np.ndarray, out: SchedulerOutput, budget: StepBudget) -> None:
+        """Rows compacting in place decode in the same step: the device runs the step's compaction
+        before its forward, so each row's token goes to the first slot past the tokens it keeps
+        (the runner's decode inputs read `budget_tokens` for a compacting row)."""
+        if not len(rows) or budget.tokens == 0:
+            return
+        rows = rows[self.decode_mask(rows, kv=self.batch.budget_tokens[rows])[0]][:budget.tokens]
+        out.decode_rows = np.concatenate([out.decode_rows, rows])
+        budget.tokens -= len(rows)
 
     def _advance_quotes(self, rows: np.ndarray) -> None:
         """Before their compaction: how far each answer has quoted its prompt, for budgets with a

@@ -188,7 +188,9 @@ class InputLayout:
         if not n:
             return
         b, bs, ql = running, self.block_size, self.query_cache_len
-        kv, position = b.num_kv_slots[rows], b.num_computed_tokens[rows]
+        # a row compacting in place this step decodes after its compaction, past the tokens it keeps
+        kv = np.where(b.compressing[rows], b.budget_tokens[rows], b.num_kv_slots[rows])
+        position = b.num_computed_tokens[rows]
         inputs.tokens[:n, 0] = b.tokens[rows, position]  # PENDING (-1): read on the device
         inputs.positions[:n, 0] = position
         inputs.slots[:n, 0] = b.block_table[rows, kv // bs] * bs + kv % bs
