@@ -38,6 +38,13 @@ def sampled_rows(out: SchedulerOutput) -> np.ndarray:
     return np.concatenate([out.decode_rows, np.asarray(rows, np.int64)]).astype(np.int64)
 
 
+def kept_in_place(sched: Scheduler, out: SchedulerOutput) -> dict[Sequence, int]:
+    """The sequences the step compacts in place, each with the tokens it keeps: one that decodes
+    in the step writes its token past them."""
+    batch = sched.batch
+    return {batch.seqs[row]: int(batch.budget_tokens[row]) for row in out.compact_rows}
+
+
 def fetched(sched: Scheduler, rows, tokens, epochs: np.ndarray | None = None,
             prompt_logprobs: list[PromptLogprobsResult] = ()) -> FetchedStep:
     """A step's results as the runner reads them back: row `rows[i]` sampled `tokens[i]`; `epochs`:
@@ -111,8 +118,7 @@ class Loop:
             self.device.check_query_tail(plan.seq, self.observed.pop(plan.seq, None))
             self.device.compact(plan)
             self.compactions.append((plan.seq, plan.seq.num_computed_tokens))
-        batch = self.sched.batch  # a row compacting in place decodes past the tokens it keeps
-        kept = {batch.seqs[row]: int(batch.budget_tokens[row]) for row in out.compact_rows}
+        kept = kept_in_place(self.sched, out)
         for chunk in chunks:
             seq = chunk.seq
             if seq not in self.admitted:
@@ -153,8 +159,7 @@ class Loop:
         rows = sum(-(-c.num_tokens // sched.prefill_row_size) + -(-c.tail // sched.prefill_row_size)
                    for c in chunks if c.num_tokens > 1 or c.tail)
         assert rows <= sched.max_num_batched_tokens // sched.prefill_row_size
-        # rows compacting in place decode after it, past the tokens they keep
-        compacting = {sched.batch.seqs[row]: int(sched.batch.budget_tokens[row]) for row in out.compact_rows}
+        compacting = kept_in_place(sched, out)
         # a decode row: a running sequence past its prompt, its last token (the only one left) to compute
         assert len(set(out.decode_rows.tolist())) == len(out.decode_rows)
         for row in out.decode_rows:
