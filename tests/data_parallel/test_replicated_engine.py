@@ -5,9 +5,12 @@ ValueError."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
+import ray
+from ray.exceptions import RayTaskError
 from server_harness import ENGINE_OPTIONS
 
 from zipage_jax.sampling_params import SamplingParams
@@ -109,3 +112,27 @@ def test_a_bad_request_raises_the_engines_value_error_and_is_forgotten(engine):
         engine.add_requests([([5, 6], GREEDY, "fine"), ([5, 99999], GREEDY, "not fine")])
     run = run_all(engine)
     assert len(run.finished) == 1 and not run.failures
+
+
+def test_a_call_refused_in_part_hands_on_nothing_of_the_requests_another_replica_ran(engine, monkeypatch):
+    """The refusal of the second request reaches the front seconds after the first one's replica
+    admitted it (and ran it to its end): the first one's outputs are never handed on."""
+    real_get = ray.get
+
+    def slow_refusal(refs, *args, **kwargs):
+        try:
+            return real_get(refs, *args, **kwargs)
+        except RayTaskError:
+            if threading.current_thread() is threading.main_thread():
+                time.sleep(3)  # the first request's 6 tokens take well under a second
+            raise
+
+    monkeypatch.setattr(ray, "get", slow_refusal)
+    with pytest.raises(ValueError, match="prompt 1: prompt token ids must be integers"):
+        engine.add_requests([([5, 6], GREEDY, "ran"), ([5, 99999], GREEDY, "refused")])
+    monkeypatch.undo()
+    run = run_all(engine)
+    assert not run.tokens and not run.finished and not run.failures
+    (again,) = engine.add_requests([([5, 6], GREEDY, "ran")])  # its id is free again
+    run = run_all(engine)
+    assert run.finished == {again.seq_ids[0]: "length"} and len(run.tokens[again.seq_ids[0]]) == 6

@@ -184,6 +184,10 @@ class ReplicatedEngine:
         self._serving = [True] * data_parallel_size  # live: ReplicatedStats.serving
         self._no_replica_timeout_s = no_replica_timeout_s
         self._lock = threading.Lock()  # the requests, their seq ids, the replicas' states, the router
+        # held by an add_requests call until it is decided, and by the collector while it hands
+        # on what the replicas sent: a call refused in part never has outputs of its other requests
+        # handed on (one replica may run a request while another refuses the next)
+        self._admission = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._by_engine_id: dict[str, _Request] = {}
         self._pending: dict[str, _Request] = {}  # waiting for a replica, oldest first
@@ -261,6 +265,14 @@ class ReplicatedEngine:
         wait for one (no_replica_timeout_s)."""
         self._check_usable()
         prepared = [self._prepare(i, len(requests), *request) for i, request in enumerate(requests)]
+        with self._admission:
+            self._admit(prepared)
+        return [AdmittedRequest(q.request_id, q.prompt if isinstance(q.prompt, str) else None, q.prompt_token_ids,
+                                q.params, list(q.seq_ids)) for q in prepared]
+
+    def _admit(self, prepared: list[_Request]) -> None:
+        """Registers the requests and adds each to its replica; on a refusal aborts them all and
+        raises it."""
         with self._lock:
             for i, request in enumerate(prepared):
                 if request.request_id in self._requests or request.request_id in (q.request_id for q in prepared[:i]):
@@ -286,8 +298,6 @@ class ReplicatedEngine:
             if isinstance(cause, ValueError) and len(prepared) > 1:
                 raise _numbered(cause, prepared.index(request), len(prepared)) from cause
             raise cause
-        return [AdmittedRequest(q.request_id, q.prompt if isinstance(q.prompt, str) else None, q.prompt_token_ids,
-                                q.params, list(q.seq_ids)) for q in prepared]
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -635,19 +645,20 @@ class ReplicatedEngine:
                 ready, _ = ray.wait(list(waits), num_returns=len(waits), timeout=0)
         else:
             self._stopping.wait(_WAIT_S)
-        for ref in ready:
-            replica, is_poll = waits[ref]
-            with self._lock:
-                current = ref is (replica.poll_ref if is_poll else replica.ping_ref)
+        with self._admission:
+            for ref in ready:
+                replica, is_poll = waits[ref]
+                with self._lock:
+                    current = ref is (replica.poll_ref if is_poll else replica.ping_ref)
+                    if current and is_poll:
+                        replica.poll_ref = None
+                    elif current:
+                        replica.ping_ref = None
                 if current and is_poll:
-                    replica.poll_ref = None
+                    self._on_poll(replica, ref)
                 elif current:
-                    replica.ping_ref = None
-            if current and is_poll:
-                self._on_poll(replica, ref)
-            elif current:
-                self._on_ping(replica, ref)
-        self._place_pending()
+                    self._on_ping(replica, ref)
+            self._place_pending()
 
     def _outstanding_calls(self) -> dict[Any, tuple[_Replica, bool]]:
         """A poll on every live replica, a ping on every restarting one (when due): ref -> (replica, is a poll)."""
