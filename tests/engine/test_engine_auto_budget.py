@@ -171,3 +171,17 @@ def test_waiting_requests_do_not_shrink_a_running_budget(llama_dir):
     assert budgets[0] > 32 and budgets == budgets[::-1]  # grown past the floor (auto_budget_min), into the pool
     assert [o["metrics"]["kv_budget_tokens"] for o in crowded] == budgets * 2
     assert all(o["metrics"]["num_compressions"] > 0 and o["metrics"]["num_preemptions"] == 0 for o in crowded)
+
+
+
+def test_a_measurement_moves_nothing(engines):
+    """A lenient threshold settles at the floor at every point: measuring first (the compaction
+    program keeping every token), the automatic budget generates what the fixed budget of the
+    floor does."""
+    params = dict(temperature=0, max_tokens=200, ignore_eos=True)
+    auto, fixed = (engines[0.99].generate([PROMPTS[0]], SamplingParams(kv_budget=budget, **params), use_tqdm=False)
+                   for budget in ("auto", 32))
+    auto, fixed = auto[0]["outputs"][0], fixed[0]["outputs"][0]
+    assert auto["metrics"]["kv_budget_tokens"] == fixed["metrics"]["kv_budget_tokens"] == 32
+    assert auto["metrics"]["num_compressions"] == fixed["metrics"]["num_compressions"] > 3
+    assert auto["token_ids"] == fixed["token_ids"]

@@ -16,9 +16,10 @@ j * block_size; averaged over heads and layers). The host then picks (`choose`):
 
 So memory per sequence stays within its ceiling, a growing sequence never takes a block another
 one needs (it compacts instead), and a step that does not measure pays nothing: the measurement
-is read back only in the step that runs it. DBudgetKV (arXiv 2502.16886) stops when the kept
-attention reaches a share of the full; Ada-KV (arXiv 2407.11550) bounds the output's loss by the
-evicted attention mass: the same quantity, used here to size the budget rather than split it.
+is read back only in the step that runs it, once that step's forward is on its way. DBudgetKV
+(arXiv 2502.16886) stops when the kept attention reaches a share of the full; Ada-KV (arXiv
+2407.11550) bounds the output's loss by the evicted attention mass: the same quantity, used here
+to size the budget rather than split it.
 """
 
 from __future__ import annotations

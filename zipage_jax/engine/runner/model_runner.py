@@ -206,17 +206,21 @@ class ModelRunner:
             jax.block_until_ready(self.state)
             self.compress_seconds += time.perf_counter() - start
 
-    def measure(self, rows: np.ndarray) -> np.ndarray:
-        """[len(rows), w] the attention share each of `rows` (automatic budgets at their
-        compaction point) would evict keeping j blocks: the compaction program keeping every
-        token, read back at once (compress/auto_budget.py)."""
+    def measure(self, rows: np.ndarray) -> list[jax.Array]:
+        """The compaction program keeping every token of `rows` (automatic budgets sized for their
+        compaction point), dispatched: per layer [shards, b, w] the attention share each row would
+        evict keeping j blocks, left on the device (`read_measurement`; compress/auto_budget.py)."""
         key = self.grid.compress_key(len(rows), int(self.running.num_blocks[rows].max()))
         tables = measurement_tables(self.running, rows, key[1], key[3], self.inputs.num_query_slots)
-        lost = np.asarray(jax.device_get(self.run_compaction(key, tables)))  # [layers, shards, b, w]
-        # averaged over the full-attention layers: a sliding layer reads only its window, which
-        # every budget holds (compress/step.py compress_measured); all layers sliding: 0
+        return self.run_compaction(key, tables)
+
+    def read_measurement(self, lost: list[jax.Array], num_rows: int) -> np.ndarray:
+        """[num_rows, w] `measure`'s shares read back, averaged over the full-attention layers: a
+        sliding layer reads only its window, which every budget holds (compress/step.py
+        compress_measured); all layers sliding: 0."""
+        lost = np.asarray(jax.device_get(lost))  # [layers, shards, b, w]
         full = [i for i in range(len(lost)) if self.model_config.window(i) == 0]
-        return (lost[full].mean(axis=(0, 1)) if full else np.zeros(lost.shape[2:], lost.dtype))[:len(rows)]
+        return (lost[full].mean(axis=(0, 1)) if full else np.zeros(lost.shape[2:], lost.dtype))[:num_rows]
 
     def run_compaction(self, key: tuple, tables: CompactionTables) -> list[jax.Array]:
         """The compaction program `key` over every layer of the device state; per layer [shards, b, w]
@@ -241,13 +245,14 @@ class ModelRunner:
         of its decode rows and chunks dispatched without waiting, then the results of the steps
         the host may read now: every one but this step's with asynchronous scheduling (the device
         computes it while the host prepares the next), all of them when this step samples a
-        structured output's token (the next mask needs it)."""
-        measured = None
+        structured output's token (the next mask needs it). A measurement is read back once the
+        forward is on its way."""
+        lost = None
+        rows = np.concatenate([scheduled.compaction_rows(), scheduled.measure_rows])
         if scheduled.num_compactions:
-            rows = np.concatenate([scheduled.compaction_rows(), scheduled.measure_rows])
             try:
                 if len(scheduled.measure_rows):
-                    measured = self.measure(scheduled.measure_rows)
+                    lost = self.measure(scheduled.measure_rows)
                 if len(rows) > len(scheduled.measure_rows):
                     self.compress(scheduled)
             except Exception as exc:
@@ -264,6 +269,12 @@ class ModelRunner:
                 constrained=any(b.constrained for b in batches)))
         keep = 1 if self.config.async_scheduling and self._in_flight and not self._in_flight[-1].constrained \
             and (scheduled.chunks or len(scheduled.decode_rows)) else 0
+        measured = None
+        if lost is not None:
+            try:
+                measured = self.read_measurement(lost, len(scheduled.measure_rows))
+            except Exception as exc:
+                raise CompactionFailed(self.running.seq_id[rows].tolist(), exc) from exc
         output = RunnerOutput(failures=failures, measured=measured)
         while len(self._in_flight) > keep:
             waiting = time.perf_counter()
