@@ -6,9 +6,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compress_cases import CaseConfig, compress_args, make_case, scoring
 
 from zipage_jax.compress.auto_budget import bounds, choose
 from zipage_jax.compress.scoring import evicted_mass
+from zipage_jax.compress.step import compress
 
 
 def _twin(final: np.ndarray, attn: np.ndarray, num_blocks: np.ndarray) -> np.ndarray:
@@ -54,6 +56,32 @@ def test_evicted_mass_follows_the_ranking_not_the_attention():
     final = np.array([[[[4.0, 3.0], [2.0, 1.0]]]], np.float32)  # ranked last
     got = np.asarray(evicted_mass(jnp.asarray(final), jnp.asarray(attn), jnp.asarray([2], jnp.int32)))
     assert got.tolist() == [[1.0, 1.0]]  # keeping one block of two loses it all
+
+
+def test_a_measurement_leaves_the_caches_as_they_were():
+    """A row whose budget holds every token it has (an automatic budget's measurement, written in
+    place) keeps its K/V, global scores and positions as they were; the same rows compacting to
+    their budget (the positive control) write both caches."""
+    cfg = CaseConfig(budget_blocks=2, block_size=8, query_cache_len=4, scoring=scoring(use_global_score=True))
+    case = make_case(3, cfg, group=2)
+    pools, queries, tables, num_blocks, query_ids, compressed, targets, rows, compression = compress_args(case, cfg)
+    sentinel = jnp.full(pools[0].scores.shape, -7, jnp.int32)  # no position is negative
+    pools = [pools[0]._replace(positions=sentinel)]
+    held = np.asarray(case.num_blocks) * cfg.block_size
+    valid = np.concatenate([np.asarray(case.block_tables)[b, :n] for b, n in enumerate(case.num_blocks)])
+
+    def run(budget, target_tables):
+        out = compress(pools, queries, tables, num_blocks, query_ids, compressed,
+                       target_tables, rows._replace(budget=budget), compression)[0]
+        return {name: np.asarray(getattr(out, name))[valid] for name in ("k", "v", "scores", "positions")}
+
+    before = {name: np.asarray(getattr(pools[0], name))[valid] for name in ("k", "v", "scores", "positions")}
+    measured = run(held.astype(np.int32), tables)
+    for name in before:
+        np.testing.assert_array_equal(measured[name], before[name], err_msg=name)
+    compacted = run(rows.budget, targets)
+    assert not np.array_equal(compacted["scores"], before["scores"])
+    assert (compacted["positions"] != -7).any()
 
 
 def _choose(losses, num_blocks, budget, floor=1, ceiling=10, grow=2, threshold=0.05, free=100):

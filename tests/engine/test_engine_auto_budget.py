@@ -174,14 +174,16 @@ def test_waiting_requests_do_not_shrink_a_running_budget(llama_dir):
 
 
 
-def test_a_measurement_moves_nothing(engines):
-    """A lenient threshold settles at the floor at every point: measuring first (the compaction
-    program keeping every token), the automatic budget generates what the fixed budget of the
-    floor does."""
+@pytest.mark.parametrize(("threshold", "settles_at"), [(0.99, 32), (0.0, 96)])
+def test_a_measurement_moves_nothing(engines, threshold, settles_at):
+    """An automatic budget that settles where a fixed one is (a lenient threshold: the floor at
+    every point; none: grown to its ceiling) generates what that fixed budget does: measuring
+    first (the compaction program keeping every token) moves no token and leaves the global
+    score and position caches as they were."""
     params = dict(temperature=0, max_tokens=200, ignore_eos=True)
-    auto, fixed = (engines[0.99].generate([PROMPTS[0]], SamplingParams(kv_budget=budget, **params), use_tqdm=False)
-                   for budget in ("auto", 32))
+    auto, fixed = (engines[threshold].generate([PROMPTS[0]], SamplingParams(**budget, **params), use_tqdm=False)
+                   for budget in (dict(kv_budget="auto", kv_budget_max=96), dict(kv_budget=settles_at)))
     auto, fixed = auto[0]["outputs"][0], fixed[0]["outputs"][0]
-    assert auto["metrics"]["kv_budget_tokens"] == fixed["metrics"]["kv_budget_tokens"] == 32
+    assert auto["metrics"]["kv_budget_tokens"] == fixed["metrics"]["kv_budget_tokens"] == settles_at
     assert auto["metrics"]["num_compressions"] == fixed["metrics"]["num_compressions"] > 3
     assert auto["token_ids"] == fixed["token_ids"]

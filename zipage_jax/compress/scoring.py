@@ -69,7 +69,7 @@ def score_layer(
     global_ = None
     if cfg.use_global_score:
         scores, score_cache = global_score(scores, score_cache, block_tables if cache_tables is None else cache_tables,
-                                           num_blocks, compressed, rows.budget // block_size, cfg)
+                                           num_blocks, compressed, rows.budget, cfg)
         global_ = scores
     scores, pooled = pooling_stages(scores, compressed, rows, cfg)
     scores, red = redundancy_stage(scores, k_pool, block_tables, num_blocks, valid, rows, cfg)
@@ -123,8 +123,19 @@ def token_positions(position_cache: jax.Array | None, block_tables: jax.Array, n
     use_history = compressed[:, None] & (w[None, :] < history[:, None])  # [B, W]
     cached = position_cache[block_tables].transpose(0, 3, 1, 2)  # [B, Hkv, W, BS]
     positions = jnp.where(use_history[:, None, :, None], cached, positions)
-    dest = jnp.where(w[None, :] < num_blocks[:, None], block_tables, position_cache.shape[0])  # out of range: dropped
+    dest = cache_destinations(block_tables, num_blocks, rows.budget, position_cache.shape[0], block_size)
     return positions, position_cache.at[dest].set(positions.transpose(0, 2, 3, 1), mode="drop")
+
+
+def cache_destinations(block_tables: jax.Array, num_blocks: jax.Array, budget: jax.Array, num_cache_blocks: int,
+                       block_size: int) -> jax.Array:
+    """[B, W] where a compaction writes each row's per-token caches (global score, positions)
+    before it moves them with the tokens: its valid blocks; nowhere (`num_cache_blocks`, out of
+    range, dropped) for padding and for a row whose `budget` (tokens) holds every token, an
+    automatic budget's measurement, so that measuring leaves the caches as they were."""
+    w = jnp.arange(block_tables.shape[1])
+    writes = (w[None, :] < num_blocks[:, None]) & (budget < num_blocks * block_size)[:, None]
+    return jnp.where(writes, block_tables, num_cache_blocks)
 
 
 def prompt_reserve(scores: jax.Array, positions: jax.Array, valid: jax.Array, rows: CompressRows) -> jax.Array:
@@ -162,16 +173,17 @@ def global_score(
     block_tables: jax.Array,
     num_blocks: jax.Array,
     compressed: jax.Array,
-    history_blocks: jax.Array,
+    budget: jax.Array,
     cfg: CompressionConfig,
 ) -> tuple[jax.Array, jax.Array]:
     """Step 2: `max(score, decay * history)` over the blocks a compressed sequence kept at its
-    last compaction (`history_blocks` [B], its budget in blocks); the blocks written since (one
-    in decode, a prefill chunk's in prefill) are scored afresh."""
+    last compaction (its `budget` [B] in tokens, whole blocks); the blocks written since (one in
+    decode, a prefill chunk's in prefill) are scored afresh."""
     if score_cache is None:
         raise ValueError("use_global_score needs a score cache")
-    num_kv_blocks = score_cache.shape[0]
+    num_kv_blocks, block_size = score_cache.shape[:2]
     width = block_tables.shape[1]
+    history_blocks = budget // block_size
     if cfg.max_norm:
         scores = max_normed(scores)
     history = score_cache[block_tables].transpose(0, 3, 1, 2)  # [B, Hkv, W, BS]
@@ -179,7 +191,7 @@ def global_score(
     use_history = compressed[:, None] & (w[None, :] < jnp.minimum(history_blocks, num_blocks - 1)[:, None])  # [B, W]
     decayed = jnp.maximum(scores, history * cfg.decay_factor)
     scores = jnp.where(use_history[:, None, :, None], decayed, scores)
-    dest = jnp.where(w[None, :] < num_blocks[:, None], block_tables, num_kv_blocks)  # out of range: dropped
+    dest = cache_destinations(block_tables, num_blocks, budget, num_kv_blocks, block_size)
     score_cache = score_cache.at[dest].set(scores.transpose(0, 2, 3, 1), mode="drop")
     return scores, score_cache
 
