@@ -8,6 +8,7 @@ import pytest
 from compress_cases import NUM_KV_HEADS, CaseConfig, compress_args, make_case, scoring
 
 from pallas_kernels.kv_pool import KVPool
+from zipage_jax.compress.config import CompressionConfig
 from zipage_jax.compress.policies import (
     POLICIES,
     Policy,
@@ -17,7 +18,7 @@ from zipage_jax.compress.policies import (
     compress_rows,
     resolve_budget,
 )
-from zipage_jax.compress.scoring import prompt_reserve, token_positions
+from zipage_jax.compress.scoring import global_score, prompt_reserve, token_positions
 from zipage_jax.compress.step import compress_layer
 
 BS = 16
@@ -51,6 +52,27 @@ def test_token_positions_read_history_and_number_fresh_slots():
         np.testing.assert_array_equal(new_cache[tables[b]].transpose(2, 0, 1), positions[b])
     untouched = [i for i in range(num_blocks_pool) if i not in tables]
     assert (new_cache[untouched] == -7).all()
+
+
+def test_after_a_budget_grew_only_the_blocks_it_kept_are_history():
+    """An automatic budget kept 1 block at its last compaction and has grown to 2 since: its
+    first block's position and global score come from the caches, the two blocks written since
+    are numbered from the offset and scored afresh (their caches hold another sequence's)."""
+    cache = np.full((8, BS, NUM_KV_HEADS), 500, np.int32)  # stale: no real position here
+    cache[5] = np.arange(BS)[:, None] + 3  # the block it kept
+    tables = np.array([[5, 2, 6]], np.int32)
+    rows = _rows(2 * BS, [10], [30], reserve=0)._replace(history=np.array([1], np.int32))
+    args = (jnp.asarray(tables), jnp.asarray([3]), jnp.asarray([True]))
+    positions = np.asarray(token_positions(jnp.asarray(cache), *args, rows, NUM_KV_HEADS, BS)[0])
+    expected = np.concatenate([np.arange(BS) + 3, 30 + np.arange(BS, 3 * BS)])
+    np.testing.assert_array_equal(positions[0].reshape(NUM_KV_HEADS, -1), np.tile(expected, (2, 1)))
+    fresh = np.random.default_rng(2).random((1, NUM_KV_HEADS, 3, BS)).astype(np.float32)
+    score_cache = np.full((8, BS, NUM_KV_HEADS), 9.0, np.float32)
+    scored, _ = global_score(jnp.asarray(fresh), jnp.asarray(score_cache), *args, rows,
+                             CompressionConfig(decay_factor=0.5))
+    expected = fresh.copy()
+    expected[:, :, 0] = 4.5  # max(fresh < 1, 0.5 * 9) in the kept block alone
+    np.testing.assert_allclose(np.asarray(scored), expected)
 
 
 def test_prompt_reserve_keeps_the_best_prompt_tokens_sinks_first():

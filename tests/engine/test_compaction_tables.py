@@ -22,6 +22,7 @@ def _running(batch: RunningBatch, table: list[int], computed: int, kv: int, comp
     seq.block_table, seq.num_computed_tokens, seq.num_kv_slots = table, computed, kv
     seq.num_prefill_tokens = 6
     seq.compressed, seq.query_slot, seq.quote_end = compressed, query_slot, 3
+    seq.history_blocks = M - 1 if compressed else 0  # kept 1 block at its last compaction, grown to M since
     assert batch.attach(seq)
     return seq
 
@@ -47,6 +48,7 @@ def test_tables_of_a_planned_row_and_an_in_place_row_in_a_wider_bucket():
     assert r.position_offset.tolist() == [0, 30 - 12, 0]  # position - slot of its newest token
     assert r.prompt_len.tolist() == [6, 6, 0] and r.quote_end.tolist() == [3, 3, 0]
     assert r.in_prompt.tolist() == [0, 0, 0]
+    assert r.history.tolist() == [0, M - 1, 0]  # what it kept last, not its budget now
     assert r.prompt_reserve.tolist() == [0, 3, 0]
     # a reserve of 3 with a 6-token prompt is filled by the prompt: the recent window stays
     assert r.recent.tolist() == [2, 2, 0]

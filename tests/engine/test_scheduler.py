@@ -392,6 +392,7 @@ def test_compression_happens_exactly_when_the_budget_is_full():
             compressed_at.append(seq.num_computed_tokens - in_place)
             kinds.append("in place" if in_place else "plan")
             assert seq.num_kv_slots == m * bs + in_place and len(seq.block_table) == m + 1
+            assert seq.history_blocks == m  # the next compaction's history: what this one kept
         assert len(seq.block_table) <= m + 1
     last = 5 + 10 * (m + 1) * bs - 2  # position of the last computed token
     expected = list(range((m + 1) * bs, last + 1, bs))

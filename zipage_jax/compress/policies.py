@@ -185,6 +185,9 @@ class CompressRows(NamedTuple):
     position_offset: np.ndarray  # int32 position - slot of the tokens written since the last compaction
     quote_end: np.ndarray  # int32 the answer has quoted the prompt up to here (compress/quotes.py)
     in_prompt: np.ndarray  # int32 1: the sequence has computed no output yet (scores max-pooled, prompt_pooling_size)
+    # int32 blocks a compressed sequence kept at its last compaction: the history its global score
+    # and positions come from (an automatic budget's size may have changed since)
+    history: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -212,7 +215,8 @@ def compress_rows(budgets: list[KVBudget | None], batch_size: int | None = None,
         budget=[b.tokens for b in picked], sinks=[b.sinks for b in picked], recent=[b.recent for b in picked],
         score=[int(b.policy.score) for b in picked], prompt_reserve=[b.prompt_reserve for b in picked],
         prompt_len=[q.prompt_len for q in seqs], position_offset=[q.evicted for q in seqs],
-        quote_end=[q.quote_end for q in seqs], in_prompt=[q.in_prompt for q in seqs])
+        quote_end=[q.quote_end for q in seqs], in_prompt=[q.in_prompt for q in seqs],
+        history=[b.blocks for b in picked])
     if sequences is not None:
         unfillable_reserve_to_recent(rows, np.asarray(live, np.int64))
     return rows

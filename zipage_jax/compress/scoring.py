@@ -69,7 +69,7 @@ def score_layer(
     global_ = None
     if cfg.use_global_score:
         scores, score_cache = global_score(scores, score_cache, block_tables if cache_tables is None else cache_tables,
-                                           num_blocks, compressed, rows.budget, cfg)
+                                           num_blocks, compressed, rows, cfg)
         global_ = scores
     scores, pooled = pooling_stages(scores, compressed, rows, cfg)
     scores, red = redundancy_stage(scores, k_pool, block_tables, num_blocks, valid, rows, cfg)
@@ -110,8 +110,8 @@ def token_positions(position_cache: jax.Array | None, block_tables: jax.Array, n
     position cache [NB, BS, Hkv] with them written into every valid block (compaction then
     moves them with their tokens).
 
-    The blocks a compressed sequence kept at its last compaction (as the global score's
-    history) read their positions from the cache; every other slot holds the token written
+    The blocks a compressed sequence kept at its last compaction (`rows.history`, as the global
+    score's history) read their positions from the cache; every other slot holds the token written
     there, at `slot + rows.position_offset` (a sequence never compressed: its slot)."""
     width = block_tables.shape[1]
     w = jnp.arange(width)
@@ -119,7 +119,7 @@ def token_positions(position_cache: jax.Array | None, block_tables: jax.Array, n
     positions = jnp.broadcast_to(fresh[:, None], (block_tables.shape[0], num_kv_heads, width, block_size))
     if position_cache is None:
         return positions, None
-    history = jnp.minimum(rows.budget // block_size, num_blocks - 1)
+    history = jnp.minimum(rows.history, num_blocks - 1)
     use_history = compressed[:, None] & (w[None, :] < history[:, None])  # [B, W]
     cached = position_cache[block_tables].transpose(0, 3, 1, 2)  # [B, Hkv, W, BS]
     positions = jnp.where(use_history[:, None, :, None], cached, positions)
@@ -173,25 +173,24 @@ def global_score(
     block_tables: jax.Array,
     num_blocks: jax.Array,
     compressed: jax.Array,
-    budget: jax.Array,
+    rows: CompressRows,
     cfg: CompressionConfig,
 ) -> tuple[jax.Array, jax.Array]:
     """Step 2: `max(score, decay * history)` over the blocks a compressed sequence kept at its
-    last compaction (its `budget` [B] in tokens, whole blocks); the blocks written since (one in
-    decode, a prefill chunk's in prefill) are scored afresh."""
+    last compaction (`rows.history`); the blocks written since (one in decode, a prefill chunk's
+    in prefill, an automatic budget's growth) are scored afresh."""
     if score_cache is None:
         raise ValueError("use_global_score needs a score cache")
     num_kv_blocks, block_size = score_cache.shape[:2]
     width = block_tables.shape[1]
-    history_blocks = budget // block_size
     if cfg.max_norm:
         scores = max_normed(scores)
     history = score_cache[block_tables].transpose(0, 3, 1, 2)  # [B, Hkv, W, BS]
     w = jnp.arange(width)
-    use_history = compressed[:, None] & (w[None, :] < jnp.minimum(history_blocks, num_blocks - 1)[:, None])  # [B, W]
+    use_history = compressed[:, None] & (w[None, :] < jnp.minimum(rows.history, num_blocks - 1)[:, None])  # [B, W]
     decayed = jnp.maximum(scores, history * cfg.decay_factor)
     scores = jnp.where(use_history[:, None, :, None], decayed, scores)
-    dest = cache_destinations(block_tables, num_blocks, budget, num_kv_blocks, block_size)
+    dest = cache_destinations(block_tables, num_blocks, rows.budget, num_kv_blocks, block_size)
     score_cache = score_cache.at[dest].set(scores.transpose(0, 2, 3, 1), mode="drop")
     return scores, score_cache
 

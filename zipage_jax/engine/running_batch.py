@@ -48,7 +48,7 @@ def sampler_option_arrays(owner: object, num_rows: int) -> None:
 ROW_FIELDS = {"num_tokens": np.int64, "num_pending": np.int64, "num_computed_tokens": np.int64,
               "num_kv_slots": np.int64, "num_hashed_blocks": np.int64, "num_prefill_tokens": np.int64,
               "state_fresh": bool, "compressed": bool, "compressing": bool, "query_slot": np.int64,
-              "quote_end": np.int64}
+              "quote_end": np.int64, "history_blocks": np.int64}
 
 
 class RunningBatch:

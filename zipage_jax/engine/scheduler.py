@@ -655,6 +655,7 @@ class Scheduler:
         kept = b.budget_tokens[rows]
         evicted = b.num_kv_slots[rows] - kept
         b.num_kv_slots[rows] = kept
+        b.history_blocks[rows] = kept // self.block_manager.block_size
         b.compressed[rows], b.compressing[rows] = True, False
         b.measured[rows] = False
         for row, n in zip(rows.tolist(), evicted.tolist()):

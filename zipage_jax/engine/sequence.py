@@ -98,6 +98,7 @@ class Sequence:
     compressing = RowField()  # a compaction is planned (it lands with the step that runs it)
     query_slot = RowField()  # row of the query cache while it may compress, else None
     quote_end = RowField()  # the answer has quoted its prompt up to this position (compress/quotes.py)
+    history_blocks = RowField()  # blocks kept at its last compaction (the global score's history)
 
     def __init__(self, token_ids: list[int], block_size: int, *, budget: KVBudget | None = None, params=None,
                  grammar=None, request_id: str = "", index: int = 0, parent: Sequence | None = None,
@@ -121,7 +122,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_prompt_tokens = num_prompt_tokens or len(self._tokens)
         self._num_prefill_tokens = self.num_prompt_tokens
-        self._quote_end = 0
+        self._quote_end = self._history_blocks = 0
         self._prompt_bytes: bytes | None = None
         # its prefill computes the prompt's log-probabilities (so it takes no prefix-cache hit),
         # until the host has them all

@@ -69,7 +69,7 @@ def compaction_tables(batch: RunningBatch, rows: np.ndarray, plans: list[Compres
         t.rows, slice(0, n), budget=batch.budget_tokens[rows], sinks=batch.budget_sinks[rows],
         recent=batch.budget_recent[rows], score=batch.budget_score[rows], prompt_reserve=batch.budget_reserve[rows],
         prompt_len=batch.num_prompt[rows], position_offset=computed - kv, quote_end=batch.quote_end[rows],
-        in_prompt=computed <= prefill)
+        in_prompt=computed <= prefill, history=batch.history_blocks[rows])
     unfillable_reserve_to_recent(t.rows, slice(0, n))
     return t
 
