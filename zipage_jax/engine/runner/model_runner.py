@@ -248,15 +248,14 @@ class ModelRunner:
         structured output's token (the next mask needs it). A measurement is read back once the
         forward is on its way."""
         lost = None
-        rows = np.concatenate([scheduled.compaction_rows(), scheduled.measure_rows])
         if scheduled.num_compactions:
             try:
                 if len(scheduled.measure_rows):
                     lost = self.measure(scheduled.measure_rows)
-                if len(rows) > len(scheduled.measure_rows):
+                if scheduled.num_compactions > len(scheduled.measure_rows):
                     self.compress(scheduled)
             except Exception as exc:
-                raise CompactionFailed(self.running.seq_id[rows].tolist(), exc) from exc
+                raise self._compaction_failed(scheduled, exc) from exc
         failures: list[RowFailure] = []
         if scheduled.chunks or len(scheduled.decode_rows):
             batches, failures = self.dispatch(scheduled)
@@ -274,13 +273,17 @@ class ModelRunner:
             try:
                 measured = self.read_measurement(lost, len(scheduled.measure_rows))
             except Exception as exc:
-                raise CompactionFailed(self.running.seq_id[rows].tolist(), exc) from exc
+                raise self._compaction_failed(scheduled, exc) from exc
         output = RunnerOutput(failures=failures, measured=measured)
         while len(self._in_flight) > keep:
             waiting = time.perf_counter()
             output.fetched.append(self._fetch(self._in_flight.popleft()))
             output.wait_seconds += time.perf_counter() - waiting
         return output
+
+    def _compaction_failed(self, scheduled: SchedulerOutput, error: Exception) -> CompactionFailed:
+        rows = np.concatenate([scheduled.compaction_rows(), scheduled.measure_rows])
+        return CompactionFailed(self.running.seq_id[rows].tolist(), error)
 
     def drop_in_flight(self) -> None:
         """A step failed: the steps in flight are lost with the device state."""
