@@ -114,17 +114,22 @@ def token_positions(position_cache: jax.Array | None, block_tables: jax.Array, n
     score's history) read their positions from the cache; every other slot holds the token written
     there, at `slot + rows.position_offset` (a sequence never compressed: its slot)."""
     width = block_tables.shape[1]
-    w = jnp.arange(width)
     fresh = slots(width, block_size)[None] + rows.position_offset[:, None, None]  # [B, W, BS]
     positions = jnp.broadcast_to(fresh[:, None], (block_tables.shape[0], num_kv_heads, width, block_size))
     if position_cache is None:
         return positions, None
-    history = jnp.minimum(rows.history, num_blocks - 1)
-    use_history = compressed[:, None] & (w[None, :] < history[:, None])  # [B, W]
+    use_history = history_mask(compressed, rows, num_blocks, width)
     cached = position_cache[block_tables].transpose(0, 3, 1, 2)  # [B, Hkv, W, BS]
     positions = jnp.where(use_history[:, None, :, None], cached, positions)
     dest = cache_destinations(block_tables, num_blocks, rows.budget, position_cache.shape[0], block_size)
     return positions, position_cache.at[dest].set(positions.transpose(0, 2, 3, 1), mode="drop")
+
+
+def history_mask(compressed: jax.Array, rows: CompressRows, num_blocks: jax.Array, width: int) -> jax.Array:
+    """[B, W] the table columns whose tokens a compressed sequence kept at its last compaction
+    (`rows.history` blocks, never its newest block): their cached score and position are theirs."""
+    history = jnp.minimum(rows.history, num_blocks - 1)
+    return compressed[:, None] & (jnp.arange(width)[None, :] < history[:, None])
 
 
 def cache_destinations(block_tables: jax.Array, num_blocks: jax.Array, budget: jax.Array, num_cache_blocks: int,
@@ -186,8 +191,7 @@ def global_score(
     if cfg.max_norm:
         scores = max_normed(scores)
     history = score_cache[block_tables].transpose(0, 3, 1, 2)  # [B, Hkv, W, BS]
-    w = jnp.arange(width)
-    use_history = compressed[:, None] & (w[None, :] < jnp.minimum(rows.history, num_blocks - 1)[:, None])  # [B, W]
+    use_history = history_mask(compressed, rows, num_blocks, width)
     decayed = jnp.maximum(scores, history * cfg.decay_factor)
     scores = jnp.where(use_history[:, None, :, None], decayed, scores)
     dest = cache_destinations(block_tables, num_blocks, rows.budget, num_kv_blocks, block_size)
