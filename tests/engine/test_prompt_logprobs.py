@@ -119,7 +119,7 @@ def test_prompt_logprobs_compile_no_program_once_the_shapes_are_warm(llama_dir):
     logged, _ = count_compiles(lambda: llm.generate([LONG, SHORT], [asking(5), asking(0, max_tokens=3)],
                                                     use_tqdm=False))
     assert logged == 0 and llm.engine.core.runner.num_compiles == programs
-    # positive control: three sequences decoding together are a new bucket (3 decode rows); the
+    # positive control: three sequences decoding together are a new bucket (4 decode rows); the
     # engine's counter sees it even when this process compiled the same program for another engine
     llm.generate([SHORT, SHORT[:5], SHORT[:7]], asking(1, max_tokens=4), use_tqdm=False)
     assert llm.engine.core.runner.num_compiles > programs

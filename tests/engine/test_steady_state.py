@@ -9,7 +9,7 @@ import jax
 
 from zipage_jax import LLM, SamplingParams
 
-# small enough for a quick warm-up: decode rows {1, 2, 3, 4}, prefill rows {1, 2}, compression
+# small enough for a quick warm-up: decode rows {1, 2, 4}, prefill rows {1, 2}, compression
 # batches {1, 2} x table widths {2, 4, 8}, history buckets {64, 128}
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=40, max_num_seqs=4, max_num_batched_tokens=64,
                max_model_len=128, max_cache_blocks_per_seq=2, max_compress_seqs=2, query_cache_len=4,

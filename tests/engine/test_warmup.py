@@ -10,7 +10,7 @@ import pytest
 
 from zipage_jax import LLM, SamplingParams
 from zipage_jax.engine.runner.forward import layers_per_group
-from zipage_jax.engine.runner.grid import GridProgram, bucket, decode_bucket, decode_buckets
+from zipage_jax.engine.runner.grid import GridProgram
 from zipage_jax.engine.runner.warmup import Warmup
 
 OPTIONS = dict(kvcache_block_size=16, num_kvcache_blocks=40, max_num_seqs=4, max_num_batched_tokens=64,
@@ -22,15 +22,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)  # past t
 @pytest.mark.parametrize("depth, size", [(30, 6), (36, 6), (2, 2), (16, 8), (7, 7), (11, 1), (1, 1)])
 def test_layer_groups_divide_the_depth(depth, size):
     assert layers_per_group(depth) == size
-
-
-def test_a_decode_step_pads_less_than_half_its_rows():
-    rows = range(1, 300)
-    assert all(n <= decode_bucket(n) < 1.5 * n for n in rows)
-    assert max(bucket(n) / n for n in rows) > 1.9  # powers of two alone pad 33 rows to 64
-    assert decode_buckets(64) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
-    assert decode_buckets(5) == [1, 2, 3, 4, 6] and decode_buckets(1) == [1]
-    assert {decode_bucket(n) for n in rows} == set(decode_buckets(299))
 
 
 def test_the_grid_puts_the_largest_bucket_of_each_kind_first(llama_dir):

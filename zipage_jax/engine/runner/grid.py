@@ -1,16 +1,12 @@
 """What gets compiled: the runner's programs, keyed by shape buckets only, and the grid of every
 bucket a configuration can reach.
 
-Buckets are powers of two: prefill rows of `prefill_row_size` tokens (up to
-max_num_batched_tokens / prefill_row_size), compaction batch x table width, history tokens. Decode
-rows (up to max_num_seqs) also have the buckets halfway between (3, 6, 12, 24, 48, ...): a decode
-step's cost grows with its rows, padding ones included, and a batch that settles just above a
-power of two, as one of compressed sequences does, would otherwise pay for up to twice its rows.
-
-Context lengths, budgets, policies and sampling options are values, so a warm-up (warmup.py) can
-build the whole grid and a steady workload never compiles again; built programs persist in the
-executable store, so a restart loads them. While a warm-up still builds the grid, a step runs in
-the smallest ready bucket it fits (padding rows).
+Buckets are powers of two: decode rows (up to max_num_seqs), prefill rows of `prefill_row_size`
+tokens (up to max_num_batched_tokens / prefill_row_size), compaction batch x table width, history
+tokens. Context lengths, budgets, policies and sampling options are values, so a warm-up
+(warmup.py) can build the whole grid and a steady workload never compiles again; built programs
+persist in the executable store, so a restart loads them. While a warm-up still builds the grid,
+a step runs in the smallest ready bucket it fits (padding rows).
 """
 
 from __future__ import annotations
@@ -47,17 +43,6 @@ def buckets(limit: int, minimum: int = 1) -> list[int]:
     while out[-1] < limit:
         out.append(out[-1] * 2)
     return out
-
-
-def decode_bucket(n: int) -> int:
-    """Smallest power of two, or three quarters of one from 4 up, >= max(n, 1)."""
-    p = bucket(n)
-    return p * 3 // 4 if p >= 4 and n <= p * 3 // 4 else p
-
-
-def decode_buckets(limit: int) -> list[int]:
-    """Every decode bucket a count of rows in [1, limit] can fall in."""
-    return sorted({decode_bucket(n) for n in range(1, limit + 1)})
 
 
 @dataclass(frozen=True)
@@ -100,9 +85,7 @@ class ProgramGrid:
     # -- the bucket a step runs in --------------------------------------------------------
 
     def forward_key(self, is_decode: bool, num_rows: int) -> tuple:
-        if is_decode:
-            return _ready_key(self.forward, ("decode rows", decode_bucket(num_rows)))
-        return _ready_key(self.forward, ("prefill rows", bucket(num_rows)))
+        return _ready_key(self.forward, ("decode rows" if is_decode else "prefill rows", bucket(num_rows)))
 
     def compress_key(self, num_seqs: int, num_blocks: int) -> tuple:
         return _ready_key(self.compressor, ("batch", bucket(num_seqs), "blocks", bucket(num_blocks, 2)))
@@ -112,7 +95,7 @@ class ProgramGrid:
 
     def prefetch_decode(self, num_rows: int) -> None:
         """Builds the decode program for `num_rows` rows on a thread of its own unless one is ready."""
-        r = decode_bucket(num_rows)
+        r = bucket(num_rows)
         if not self.forward.ready(_ready_key(self.forward, ("decode rows", r))):
             self.forward.prefetch(*self._forward_shapes(r, 1))
 
@@ -123,7 +106,7 @@ class ProgramGrid:
         each kind, which every step fits in by padding, so a warm-up can serve once those are ready."""
         cfg, row_size = self.config, self.config.row_size
         grid = []
-        for r in decode_buckets(cfg.max_num_seqs):
+        for r in buckets(cfg.max_num_seqs):
             grid.append(GridProgram("forward", ("decode rows", r), functools.partial(self._compile_forward, r, 1)))
         for r in buckets(max(1, cfg.max_num_batched_tokens // row_size)):
             grid.append(GridProgram("forward", ("prefill rows", r),
