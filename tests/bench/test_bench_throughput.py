@@ -93,6 +93,13 @@ def test_throughput_benchmark_end_to_end(llama_dir, bench_args, last_json):
     assert zipage["compressions"] > 0 and zipage["kv_blocks_peak_max"] == 2  # M + 1
     assert out["mean_running_zipage"] > out["mean_running_full"]
     assert 0 < out["compress_time_share"] < 1 and full["compress_time_share"] == 0
+    # a compressed sequence holds at most its 2 blocks for each token it yields; a full one grows past that
+    assert zipage["kv_tokens_held_per_output_token"] <= 2 * 16 < full["kv_tokens_held_per_output_token"]
+    assert full["steps_queued"] > 0 and full["mean_running_queued"] < 4  # requests wait while full KV's pool is full
+    assert 0 < full["mean_kv_usage"] <= 1 and 0 < zipage["mean_kv_usage"] <= 1
+    tokens_per_step = zipage["output_tokens"] / zipage["steps"] / (full["output_tokens"] / full["steps"])
+    assert zipage["tokens_per_step"] == zipage["output_tokens"] / zipage["steps"]
+    assert out["kv_held_per_token_ratio"] * out["kv_usage_ratio"] == pytest.approx(tokens_per_step)
 
 
 @pytest.mark.slow
@@ -252,6 +259,7 @@ def test_kv_dtype_comparison_same_bytes_four_engines(llama_dir, monkeypatch, ben
             rows[name] = {"throughput": (20.0 if zipage else 10.0) * (1.5 if quantized else 1.0),
                           "mean_running": (3.0 if zipage else 1.5) * (2 if quantized else 1),
                           "peak_running": 3, "preemptions": 0, "compress_time_share": 0.02 * zipage,
+                          "kv_tokens_held_per_output_token": 20.0 if zipage else 40.0, "mean_kv_usage": 0.9,
                           "pool_blocks": cfg.num_kvcache_blocks, "block_bytes": size}
         return rows
 

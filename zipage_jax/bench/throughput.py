@@ -97,7 +97,9 @@ class TimedRun(EngineRun):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         self.ids = [engine.add_request(p, params, stream=False) for p in prompts]
         self.finished: dict[str, dict] = {}
-        self.running: list[int] = []
+        self.running: list[int] = []  # per step: sequences running, requests waiting, share of the pool held
+        self.waiting: list[int] = []
+        self.kv_usage: list[float] = []
         self.seconds = 0.0
         self.compile_seconds = 0.0
         self.compress_compile_seconds = 0.0
@@ -115,7 +117,10 @@ class TimedRun(EngineRun):
         for out in outputs:
             if out.finished:
                 self.finished[out.request_id] = out.to_dict()
-        self.running.append(self.engine.get_stats().num_running)
+        stats = self.engine.get_stats()
+        self.running.append(stats.num_running)
+        self.waiting.append(stats.num_waiting)
+        self.kv_usage.append(stats.kv_usage)
 
     def end_turn(self) -> None:
         self.seconds += self.wait_for_device()
@@ -138,6 +143,9 @@ def summarize(run: TimedRun, warm: dict) -> dict:
     output_tokens = sum(len(r["token_ids"]) for r in results)
     config = engine.config
     compressed = config.max_cache_blocks_per_seq is not None
+    running, usage = np.array(run.running), np.array(run.kv_usage)
+    queued = np.array(run.waiting) > 0
+    pool_tokens = (config.num_kvcache_blocks - 1) * config.kvcache_block_size
     return {
         "throughput": output_tokens / run.seconds,
         "output_tokens": output_tokens,
@@ -148,6 +156,14 @@ def summarize(run: TimedRun, warm: dict) -> dict:
         "steps": len(run.running),
         "mean_running": float(np.mean(run.running)),
         "peak_running": int(max(run.running)),
+        "tokens_per_step": output_tokens / len(run.running),
+        # the steps after which a request still waited for the pool, and what ran in them
+        "steps_queued": int(queued.sum()),
+        "mean_running_queued": float(running[queued].mean()) if queued.any() else None,
+        "mean_kv_usage": float(usage.mean()),
+        "mean_kv_usage_queued": float(usage[queued].mean()) if queued.any() else None,
+        # pool tokens held per step, summed over the run, per token generated: memory x time per token
+        "kv_tokens_held_per_output_token": float(usage.sum()) * pool_tokens / output_tokens,
         "preemptions": stats.num_preemptions,
         "compressions": stats.num_compressions,
         "kv_tokens_evicted": stats.kv_tokens_evicted,
@@ -183,7 +199,10 @@ def bench_modes(loaded, configs: dict, prompts: list[list[int]], max_tokens: int
         if log:
             log(f"{name:>12}: {row['throughput']:.1f} tok/s, running mean {row['mean_running']:.1f} peak "
                 f"{row['peak_running']}, preemptions {row['preemptions']}, compressions {row['compressions']}, "
-                f"compress share {100 * row['compress_time_share']:.1f}%, {row['wall_seconds']:.1f}s "
+                f"compress share {100 * row['compress_time_share']:.1f}%, {row['tokens_per_step']:.1f} tokens a step, "
+                f"KV usage {100 * row['mean_kv_usage']:.0f}%, {row['kv_tokens_held_per_output_token']:.0f} KV "
+                f"tokens held a step per token, {row['steps_queued']} of {row['steps']} steps with a request waiting, "
+                f"{row['wall_seconds']:.1f}s "
                 f"({row['compiles_in_timed_run']} compiles, +{row['compile_seconds_excluded']:.1f}s excluded; "
                 f"{row['warmup_seconds']:.1f}s warm-up)")
     return rows
@@ -208,6 +227,10 @@ def pair_summary(full: dict, zipage: dict, pool: Pool, mean_len: float) -> dict:
         "peak_running_zipage": zipage["peak_running"],
         "preemptions_full": full["preemptions"],
         "preemptions_zipage": zipage["preemptions"],
+        # tokens per step, Zipage over full KV, is exactly the product of these two: the pool held per
+        # token generated (full KV over Zipage) and the share of the pool in use (Zipage over full KV)
+        "kv_held_per_token_ratio": full["kv_tokens_held_per_output_token"] / zipage["kv_tokens_held_per_output_token"],
+        "kv_usage_ratio": zipage["mean_kv_usage"] / full["mean_kv_usage"],
         "pool": pool.as_dict(),
         "pool_blocks": pool.blocks,
         "pool_tokens": pool.tokens,
@@ -480,7 +503,9 @@ def _run_task_table(args: argparse.Namespace, workload: Workload, model: str, op
         f"{summary['throughput_full']:.1f} tok/s (pass@1 {summary['pass_at_1_full']:.3f}), default at "
         f"{summary['budget']} {summary['throughput_zipage']:.1f} tok/s (pass@1 "
         f"{summary['pass_at_1_compressed']:.3f}, peak KV {summary['peak_kv_ratio']:.2f}x): speedup "
-        f"{summary['speedup']:.2f}x at pass ratio {summary['pass_ratio']}")
+        f"{summary['speedup']:.2f}x at pass ratio {summary['pass_ratio']}; tokens a step "
+        f"{summary['kv_held_per_token_ratio'] * summary['kv_usage_ratio']:.2f}x = KV held per token "
+        f"{summary['kv_held_per_token_ratio']:.2f}x less x pool usage {summary['kv_usage_ratio']:.2f}x")
     return emit(summary, args)
 
 
