@@ -40,6 +40,12 @@ a few on a GPU); `--quick` is a scaled-down one (6 requests, about 4 minutes on 
 once its programs are in the executable store; the first run on a machine compiles them). The last line of `--json`
 is one JSON object: throughput_full, throughput_zipage, speedup, compress_time_share, the
 per-run figures under "full" / "zipage" (every run under "runs"), the pool and the workload.
+Each run also says where its steps went: `tokens_per_step`, `steps_queued` (steps after which a
+request still waited for the pool) with the sequences running and the pool's share in use in
+them, `mean_kv_usage`, and `kv_tokens_held_per_output_token` (the pool's tokens held, summed over
+the steps, per token generated). Zipage's tokens per step over full KV's is exactly
+`kv_held_per_token_ratio` (memory held per token, full over Zipage: the speedup if both kept the
+pool full) times `kv_usage_ratio` (how full each kept it, Zipage over full).
 
 Sweep (`--budgets M1 M2 ...` and/or `--policies P1 P2 ...`): full KV once and compression with
 every (policy, budget) pair, all on one pool sized for the LARGEST budget
