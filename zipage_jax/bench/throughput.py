@@ -160,8 +160,8 @@ def summarize(run: TimedRun, warm: dict) -> dict:
         "compiles_in_timed_run": run.num_compiles,
         **warm,
         "steps": len(run.running),
-        "mean_running": float(np.mean(run.running)),
-        "peak_running": int(max(run.running)),
+        "mean_running": float(running.mean()),
+        "peak_running": int(running.max()),
         "tokens_per_step": output_tokens / len(run.running),
         # the steps after which a request still waited for the pool, and what ran in them
         "steps_queued": int(queued.sum()),
