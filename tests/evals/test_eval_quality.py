@@ -259,6 +259,57 @@ def test_plan_points_of_both_kinds_and_budgets_per_job_length(parse):
     assert qb.fraction_kinds(legacy) == ["tokens"] and qb.fraction_kinds(args) == ["tokens", "memory"]
 
 
+def test_auto_budgets_are_planned_beside_fractions(parse):
+    args = parse(["--budgets", "0.125", "auto", "--policies", "streaming", "vnorm-prompt"])
+    assert qb.plan_points(args) == [qb.Point("streaming", "auto", "tokens", 0.125),
+                                    qb.Point("vnorm-prompt", "auto", "tokens", 0.125),
+                                    qb.Point("streaming", "auto", "auto", 0.0),
+                                    qb.Point("vnorm-prompt", "auto", "auto", 0.0)]
+    assert qb.fraction_kinds(args) == ["tokens", "auto"]
+    full = qb.Point("full", "auto", "auto", 1.0)
+    budgets = qb.point_budgets([full, *qb.plan_points(args)], [_job(1024), _job(3072, "reasoning")], SMOLLM, args)
+    assert budgets[full] == [0, 0] and budgets[qb.Point("streaming", "auto", "auto", 0.0)] == ["auto", "auto"]
+    assert budgets[qb.Point("streaming", "auto", "tokens", 0.125)] == [128, 384]
+    job = _job(160)  # an automatic budget may hold the whole job: its pool share is full KV's
+    assert forcing.pool_blocks([job], ["auto"], 16) == forcing.pool_blocks([job], [0], 16) == 2 + 10 + 10 + 1
+    for bad in (["--budgets", "automatic"], ["--budgets", "auto", "1.5"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+
+
+def test_an_automatic_budget_reports_the_peak_it_held(loaded, args, monkeypatch):
+    """kv_budget="auto" through teacher forcing: its row's kept tokens are the jobs' mean peak KV as the
+    engine reports it, and its memory and table cells follow from that peak."""
+    from zipage_jax import harness
+
+    # a loose threshold: every measurement compacts (to the floor), so the budget stays small
+    monkeypatch.setattr(forcing, "build_llm", lambda **kw: harness.build_llm(**kw, auto_budget_threshold=0.9))
+    jobs = _jobs()
+    results, _ = forcing.run_batch(loaded, args, jobs * 2, [0, 0, "auto", "auto"],
+                                   ["full", "full", "vnorm-prompt", "vnorm-prompt"])
+    full, auto = results[:2], results[2:]
+    # full KV holds every token it has written: the prompt and all but the last forced token, in blocks of 16
+    assert [r.peak_kv_tokens for r in full] == [-(-(LENGTH - 1) // 16) * 16] * 2
+    peaks = [r.peak_kv_tokens for r in auto]
+    # the prompt's block kept whole, the floor of 32 tokens, and the block being filled, at least
+    assert all(16 + 32 + 16 <= p < LENGTH and p % 16 == 0 for p in peaks)
+    point = qb.Point("vnorm-prompt", "auto", "auto", 0.0)
+    (row,) = quality_report.point_rows(point, jobs, auto, full, ["auto", "auto"], loaded)
+    kept = round(sum(peaks) / 2)
+    text = row["by_workload"]["text"]
+    assert (text["context"], text["budget_tokens"]) == (LENGTH, kept)
+    assert text["kept_fraction"] == row["budget_fraction"] == kept / LENGTH
+    assert text["memory_fraction_bf16"] == pytest.approx(kept / LENGTH)
+    assert row["fraction_kind"] == "auto" and 0 < row["ppl_ratio"] != 1.0  # it evicted
+    (ref,) = quality_report.point_rows(qb.Point("full", "auto", "auto", 1.0), jobs, full, full, [0, 0], loaded)
+    assert ref["ppl_ratio"] == 1.0 and ref["budget_tokens"] == LENGTH and ref["budget_fraction"] == 1.0
+    table = quality_report.markdown_table([ref, row])
+    assert quality_report.TABLE_TITLES["auto"] in table
+    assert f"| full | 1 | {LENGTH} | 1.0000 |" in table
+    assert f"| vnorm-prompt | auto | {kept} | {kept / LENGTH:.4f} | {row['ppl_ratio']:.3f} |" in table
+    assert "auto" in quality_report.format_row(row)
+
+
 def test_heldout_texts_are_fixed_and_never_dev(loaded):
     first = datasets.heldout_sources(loaded.tokenizer, 1)
     assert [s.kind for s in first] == list(datasets.HELDOUT_KINDS)  # the stdlib alone has a long text of each kind

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 AUTO = "auto"
+Budget = int | str  # a kv_budget: tokens (0: full KV), or AUTO
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,12 @@ import argparse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from zipage_jax.compress.auto_budget import AUTO, parse_budget
+from zipage_jax.compress.auto_budget import AUTO, Budget, parse_budget
 from zipage_jax.compress.policies import POLICIES
 
 FULL_KV = "full"
 # a config's suffix: the prompt kept whole beside its budget, or bounded by it (no suffix: the engine's choice)
 KEEP_PROMPT = {"+keep_prompt": True, "+no_keep_prompt": False}
-Budget = int | str  # tokens, or AUTO
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from zipage_jax.compress.auto_budget import AUTO, Budget
 from zipage_jax.evals.variants import VARIANTS, engine_group, group_engine_options
 from zipage_jax.harness import build_llm, timed
 
@@ -49,15 +50,16 @@ class JobResult:
     logprobs: np.ndarray  # of the forced tokens
     generated: list[int]  # the free tokens
     text: str = ""
+    peak_kv_tokens: int = 0  # the most KV it held at once (`kv_blocks_peak` blocks); 0 when read from the cache
 
 
-def teacher_force(llm, jobs: list[Job], budgets: list[int], policies: list[str]) -> list[JobResult]:
-    """Runs `jobs` at once; budgets[i], policies[i]: kv_budget tokens (0 = full KV) and variant of
-    jobs[i], whose engine options must be `llm`'s (see engine_group)."""
+def teacher_force(llm, jobs: list[Job], budgets: list[Budget], policies: list[str]) -> list[JobResult]:
+    """Runs `jobs` at once; budgets[i], policies[i]: kv_budget (tokens, 0 = full KV, or "auto") and
+    variant of jobs[i], whose engine options must be `llm`'s (see engine_group)."""
     return [job_result(llm, job, out) for job, out in zip(jobs, run_jobs(llm, jobs, budgets, policies), strict=True)]
 
 
-def run_jobs(llm, jobs: list[Job], budgets: list[int], policies: list[str]) -> list[dict]:
+def run_jobs(llm, jobs: list[Job], budgets: list[Budget], policies: list[str]) -> list[dict]:
     """`llm.generate`'s outputs for `jobs`: each prompt, its forced tokens (with their
     log-probabilities), then its free greedy tokens."""
     from zipage_jax import SamplingParams
@@ -73,7 +75,8 @@ def job_result(llm, job: Job, out: dict) -> JobResult:
     n = len(job.forced)
     logprobs = np.array([lp["logprob"] for lp in (out["logprobs"] or [])[:n]], np.float64)
     free = out["token_ids"][n:]
-    return JobResult(logprobs, free, llm.tokenizer.decode(free))
+    peak = out["metrics"]["kv_blocks_peak"] * llm.engine.config.kvcache_block_size
+    return JobResult(logprobs, free, llm.tokenizer.decode(free), peak)
 
 
 def make_llm(loaded, args, num_blocks: int, max_num_seqs: int, group: tuple = ()):
@@ -83,24 +86,26 @@ def make_llm(loaded, args, num_blocks: int, max_num_seqs: int, group: tuple = ()
                                             longest=args.max_context))
 
 
-def pool_blocks(jobs: list[Job], budgets: list[int], block_size: int) -> int:
-    """Every job at its peak at once, plus the dummy block (and room for one longest job)."""
+def pool_blocks(jobs: list[Job], budgets: list[Budget], block_size: int) -> int:
+    """Every job at its peak at once (an automatic budget at its whole length), plus the dummy block
+    (and room for one longest job)."""
     longest = max(len(j.prompt) + len(j.forced) + j.free for j in jobs)
     total = 2 + -(-longest // block_size)
     for job, budget in zip(jobs, budgets, strict=True):
         length = len(job.prompt) + len(job.forced) + job.free
-        total += -(-length // block_size) + 1 if budget == 0 else -(-budget // block_size) + 1
+        whole = budget == 0 or budget == AUTO
+        total += -(-length // block_size) + 1 if whole else -(-budget // block_size) + 1
     return total
 
 
-def run_batch(loaded, args, jobs: list[Job], budgets: list[int], policies: list[str],
+def run_batch(loaded, args, jobs: list[Job], budgets: list[Budget], policies: list[str],
               kv_cache_dtype: str = "auto") -> tuple[list[JobResult], float]:
     """The jobs' results and the seconds they took: one engine per group of variants that share
     engine options, each running its jobs at once."""
     return timed(lambda: _run_groups(loaded, args, jobs, budgets, policies, kv_cache_dtype))
 
 
-def _run_groups(loaded, args, jobs: list[Job], budgets: list[int], policies: list[str],
+def _run_groups(loaded, args, jobs: list[Job], budgets: list[Budget], policies: list[str],
                 kv_cache_dtype: str) -> list[JobResult]:
     results: list[JobResult | None] = [None] * len(jobs)
     groups = [engine_group(p, kv_cache_dtype) for p in policies]

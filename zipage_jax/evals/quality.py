@@ -46,7 +46,9 @@ Both data sets are in datasets.py.
 Budgets, per job: a point is a fraction, and each job's kv_budget is that fraction of its own
 context (texts and passkeys at --length, reasoning at --reasoning-length), so workloads of
 different lengths run in one batch at the same fraction.
-  --budgets: a fraction of the context's tokens (kv dtype "auto"), rounded to whole blocks.
+  --budgets: a fraction of the context's tokens (kv dtype "auto"), rounded to whole blocks; or
+    `auto`: kv_budget="auto" at the engine's defaults, whose memory is measured: its row gives each
+    workload's mean peak KV (`kv_blocks_peak`) as its budget_tokens, of the workload's mean context.
   --memory-fractions: a fraction of the full KV's bytes in bfloat16, what a GPU stores ("auto"
     counts as bfloat16 here, though this CPU computes in float32), for every --kv-cache-dtypes
     entry (any of pallas_kernels.kv_quant.KV_CACHE_DTYPES). A quantized pool (int8 or fp8: one byte
@@ -81,10 +83,12 @@ import argparse
 from pathlib import Path
 
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES
+from zipage_jax.compress.auto_budget import AUTO
 from zipage_jax.evals.datasets import DEV_TEXTS, HELDOUT_KINDS, HELDOUT_PER_KIND
 from zipage_jax.evals.forcing import WORKLOADS, full_kv_results, run_batch, workload_of
 from zipage_jax.evals.quality_budgets import (
     Point,
+    budget_fraction,
     budget_tokens,
     fraction_kinds,
     memory_budget_tokens,
@@ -149,8 +153,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "budget 1/8 only (the conversations keep --reasoning-length)")
     p.add_argument("--policies", nargs="+", default=None, choices=list(VARIANTS),
                    help=f"default {' '.join(DEFAULT_POLICIES)}; with --memory-fractions {' '.join(MEMORY_POLICIES)}")
-    p.add_argument("--budgets", nargs="+", type=float, default=None,
-                   help="fractions of each job's context in tokens (kv dtype auto); may go with --memory-fractions")
+    p.add_argument("--budgets", nargs="+", type=budget_fraction, default=None,
+                   help="fractions of each job's context in tokens (kv dtype auto), or auto (kv_budget=\"auto\", "
+                        "its peak KV measured); may go with --memory-fractions")
     p.add_argument("--memory-fractions", nargs="+", type=float, default=None,
                    help="equal memory: budgets as fractions of the full KV's bytes in bfloat16 "
                         "(e.g. 0.0625 0.125 0.25)")
@@ -207,7 +212,8 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
         args.passkey_trials = 0
     if quick and not memory and args.num_texts == len(DEV_TEXTS):
         args.num_texts = 1
-    for f in [*args.budgets, *(args.memory_fractions or ())]:
+    fractions = [f for f in args.budgets if f != AUTO]
+    for f in [*fractions, *(args.memory_fractions or ())]:
         if not 0 < f < 1:
             error(f"budgets and memory fractions are fractions in (0, 1), got {f}")
     if args.heldout_per_kind < 0:
@@ -224,7 +230,7 @@ def resolve_arguments(args: argparse.Namespace) -> argparse.Namespace:
     args.max_context = max(lengths.values())
     for workload, length in lengths.items():  # bf16 holds the fewest tokens of every kv dtype at a memory fraction
         try:
-            for f in args.budgets:
+            for f in fractions:
                 budget_tokens(f, length, args.block_size, args.query_cache_len)
             for f in args.memory_fractions or ():
                 memory_budget_tokens(f, length, 1, 1, args.block_size, args.query_cache_len)

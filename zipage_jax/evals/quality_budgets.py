@@ -4,6 +4,8 @@
   memory   a fraction of the full KV's bytes in bfloat16 (what a GPU stores); a pool of another kv
            dtype keeps fraction * context * bf16_bytes / its_bytes tokens (kv_token_bytes: values
            and scales), rounded down to whole blocks, so no point uses more memory than its fraction
+  auto     kv_budget="auto": the engine sizes each budget as it goes; its memory is measured (each
+           job's peak KV), not set
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from zipage_jax.compress.auto_budget import AUTO, Budget
 from zipage_jax.evals.forcing import Job, workload_of
 
-FRACTION_KINDS = ("tokens", "memory")  # --budgets, --memory-fractions
+FRACTION_KINDS = ("tokens", "auto", "memory")  # --budgets fractions, --budgets auto, --memory-fractions
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,14 @@ class Point:
 
     policy: str
     kv_cache_dtype: str
-    fraction_kind: str  # "tokens": of each job's context (--budgets); "memory": of its bf16 full KV's bytes
-    fraction: float  # 1.0 with full KV
+    fraction_kind: str  # "tokens": of each job's context (--budgets); "memory": of its bf16 full KV's bytes;
+    # "auto": kv_budget="auto"
+    fraction: float  # 1.0 with full KV, 0.0 with an automatic budget (its memory is measured)
+
+
+def budget_fraction(text: str) -> float | str:
+    """A --budgets entry: a fraction of the context, or AUTO."""
+    return AUTO if text == AUTO else float(text)
 
 
 def budget_tokens(fraction: float, context: int, block_size: int, query_cache_len: int) -> int:
@@ -57,12 +66,14 @@ def memory_budget_tokens(fraction: float, context: int, token_bytes: int, refere
     return tokens
 
 
-def job_budget(point: Point, context: int, model_config, block_size: int, query_cache_len: int) -> int:
-    """kv_budget tokens of a job of `context` tokens at `point` (0: full KV)."""
+def job_budget(point: Point, context: int, model_config, block_size: int, query_cache_len: int) -> Budget:
+    """kv_budget of a job of `context` tokens at `point`: tokens (0: full KV), or AUTO."""
     import jax.numpy as jnp
 
     if point.policy == "full":
         return 0
+    if point.fraction_kind == "auto":
+        return AUTO
     if point.fraction_kind == "tokens":
         return budget_tokens(point.fraction, context, block_size, query_cache_len)
     token_bytes = kv_token_bytes(model_config, point.kv_cache_dtype, jnp.bfloat16)
@@ -71,10 +82,10 @@ def job_budget(point: Point, context: int, model_config, block_size: int, query_
 
 
 def point_budgets(points: list[Point], jobs: list[Job], model_config,
-                  args: argparse.Namespace) -> dict[Point, list[int]]:
+                  args: argparse.Namespace) -> dict[Point, list[Budget]]:
     """Each point's kv_budget of every job, from the job's own context; raises ValueError naming the
     workload and its length where a budget cannot hold the protected tokens."""
-    budgets: dict[Point, list[int]] = {}
+    budgets: dict[Point, list[Budget]] = {}
     for point in points:
         budgets[point] = []
         for job in jobs:
@@ -108,15 +119,17 @@ def budget_fields(model_config, point: Point, context: int, budget: int, model_d
 
 
 def fraction_kinds(args: argparse.Namespace) -> list[str]:
-    return [kind for kind, given in zip(FRACTION_KINDS, (args.budgets, args.memory_fractions), strict=True) if given]
+    given = ([f for f in args.budgets if f != AUTO], AUTO in args.budgets, args.memory_fractions)
+    return [kind for kind, on in zip(FRACTION_KINDS, given, strict=True) if on]
 
 
 def plan_points(args: argparse.Namespace) -> list[Point]:
-    """The compressed points: every policy at every --budgets fraction (kv dtype auto); with
+    """The compressed points: every policy at every --budgets fraction or "auto" (kv dtype auto); with
     --memory-fractions, per kv dtype its full KV (quantization alone; not for auto) and every policy at
     every memory fraction."""
     policies = [p for p in args.policies if p != "full"]
-    points = [Point(p, "auto", "tokens", f) for f in args.budgets for p in policies]
+    points = [Point(p, "auto", "auto", 0.0) if f == AUTO else Point(p, "auto", "tokens", f)
+              for f in args.budgets for p in policies]
     for dtype in args.kv_cache_dtypes if args.memory_fractions else ():
         if dtype != "auto":
             points.append(Point("full", dtype, "memory", 1.0))

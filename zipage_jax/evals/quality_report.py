@@ -3,18 +3,22 @@ the markdown has one table per fraction kind, held-out cells with dev in parenth
 
 from __future__ import annotations
 
+from zipage_jax.compress.auto_budget import Budget
 from zipage_jax.evals.forcing import WORKLOADS, Job, JobResult, workload_of
 from zipage_jax.evals.quality_budgets import Point, budget_fields
 from zipage_jax.evals.scoring import summarise
 
 TABLE_TITLES = {"tokens": "Token budgets: a fraction of each workload's context (kv dtype auto)",
+                "auto": "Automatic budgets (kv_budget=\"auto\"): kept tokens are each workload's mean peak KV, "
+                        "of its mean context",
                 "memory": "Equal memory: a fraction of the bf16 full KV's bytes"}
 
 
-def point_rows(point: Point, jobs: list[Job], results: list[JobResult], full: list[JobResult], budgets: list[int],
+def point_rows(point: Point, jobs: list[Job], results: list[JobResult], full: list[JobResult], budgets: list[Budget],
                loaded) -> list[dict]:
     """One row per split of the jobs. by_workload: per workload its (longest job's) context and budget
-    as tokens and as memory (budget_fields); the row's flat fields are its first workload's."""
+    as tokens and as memory (budget_fields); an automatic budget's are its jobs' mean context and mean
+    peak KV (measured). The row's flat fields are its first workload's."""
     rows = []
     for split in dict.fromkeys(j.split for j in jobs):
         idx = [i for i, j in enumerate(jobs) if j.split == split]
@@ -24,17 +28,27 @@ def point_rows(point: Point, jobs: list[Job], results: list[JobResult], full: li
         for workload in WORKLOADS:
             mine = [i for i in idx if workload_of(jobs[i]) == workload]
             if mine:
-                i = max(mine, key=lambda i: jobs[i].context)
-                by_workload[workload] = budget_fields(loaded.config, point, jobs[i].context, budgets[i],
+                by_workload[workload] = budget_fields(loaded.config, point, *_kept(point, mine, jobs, results, budgets),
                                                       loaded.model.dtype)
         first = next(iter(by_workload.values()))
         row |= {"split": split, "kv_cache_dtype": point.kv_cache_dtype, "fraction_kind": point.fraction_kind,
                 "fraction": point.fraction, **first, "by_workload": by_workload}
-        if point.fraction_kind == "memory":
+        if point.fraction_kind != "tokens":
             row["budget_fraction"] = first["kept_fraction"]
+        if point.fraction_kind == "memory":
             row["memory_fraction"] = point.fraction if point.policy != "full" else first["memory_fraction_bf16"]
         rows.append(row)
     return rows
+
+
+def _kept(point: Point, mine: list[int], jobs: list[Job], results: list[JobResult],
+          budgets: list[Budget]) -> tuple[int, int]:
+    """(context, budget tokens) that a workload's jobs `mine` stand for at `point` (0 tokens: all)."""
+    if point.fraction_kind == "auto":
+        context = round(sum(jobs[i].context for i in mine) / len(mine))
+        return context, 0 if point.policy == "full" else round(sum(results[i].peak_kv_tokens for i in mine) / len(mine))
+    i = max(mine, key=lambda i: jobs[i].context)
+    return jobs[i].context, budgets[i]
 
 
 def _f(x) -> str:
@@ -43,6 +57,11 @@ def _f(x) -> str:
 
 def _f4(x) -> str:
     return "-" if x is None else f"{x:.4f}"
+
+
+def _point(kind: str, policy: str, fraction: float, fmt: str) -> str:
+    """A budget as shown: its fraction, or "auto"."""
+    return "auto" if kind == "auto" and policy != "full" else format(fraction, fmt)
 
 
 def row_kind(row: dict) -> str:
@@ -54,7 +73,8 @@ def format_row(row: dict) -> str:
     """A row as one progress line."""
     kept = " ".join(f"{w} {f['budget_tokens']}/{f['context']}" for w, f in row.get("by_workload", {}).items())
     return (f"{row['policy']:>14} {row.get('kv_cache_dtype', 'auto'):>4} {row_kind(row):>6} "
-            f"{row.get('fraction', row['budget_fraction']):.4f} {row.get('split', 'dev'):>7} ({kept}) "
+            f"{_point(row_kind(row), row['policy'], row.get('fraction', row['budget_fraction']), '.4f')} "
+            f"{row.get('split', 'dev'):>7} ({kept}) "
             f"ppl_ratio {_f(row['ppl_ratio'])} reasoning {_f(row['reasoning_ppl_ratio'])} "
             f"passkey {_f(row['passkey_accuracy'])} agreement {_f(row['agreement'])}")
 
@@ -105,7 +125,8 @@ def fraction_table(rows: list[dict], kind: str) -> str:
         else:  # a row of an older run
             bf16, f32 = _f4(r.get("memory_fraction_bf16")), _f4(r.get("memory_fraction_f32"))
             tokens = str(r.get("budget_tokens", "-"))
+        budget = _point(kind, policy, fraction, ".4g")
         cells = ([policy, dtype, bf16, f32, tokens] if kind == "memory"
-                 else [policy, f"{fraction:.4g}", tokens, bf16]) + [pair(splits, k) for k, _ in metrics]
+                 else [policy, budget, tokens, bf16]) + [pair(splits, k) for k, _ in metrics]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
